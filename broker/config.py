@@ -1,0 +1,53 @@
+"""Configuration of the broker."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class DataConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str | None = Field(
+        None, description="parquet or JSONL in verl's format; None: the task generates it"
+    )
+    shuffle: bool = True
+    seed: int = 0
+    epochs: int | None = Field(None, ge=1, description="None: cycle forever")
+
+
+class JournalConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    dir: str | None = Field(None, description="None: <run_dir>/journal")
+    fsync: Literal["always", "interval", "never"] = "interval"
+    fsync_interval_s: float = Field(0.05, gt=0)
+    compact_every_bytes: int = Field(256 << 20, gt=0)
+
+
+class CurveConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = False
+    server_secret_key_file: str | None = None
+    allowed_client_keys_dir: str | None = None
+
+
+class BrokerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    bind: str = Field("tcp://127.0.0.1:5555", description="ZeroMQ ROUTER address")
+    metrics_port: int | None = Field(None, description="Prometheus endpoint port; None: off")
+    group_size: int = Field(8, ge=1, description="samples per prompt (GRPO's G)")
+    batch_groups: int = Field(32, ge=1, description="prompt groups per training batch")
+    max_staleness: int = Field(2, ge=0, description="eta; 0 is synchronous on-policy")
+    staleness_policy: Literal["drop", "keep"] = "drop"
+    dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal")
+    lease_timeout_s: float = Field(60.0, gt=0)
+    node_timeout_s: float = Field(30.0, gt=0)
+    max_frame_bytes: int = Field(256 << 20, gt=0)
+    data: DataConfig = DataConfig()
+    journal: JournalConfig = JournalConfig()
+    curve: CurveConfig = CurveConfig()

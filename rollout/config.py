@@ -1,0 +1,68 @@
+"""Configuration of rollout nodes, their engines and the task."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SamplingConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(0.7, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, description="-1: off")
+    max_new_tokens: int = Field(16, ge=1)
+
+
+class EmbeddedEngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["embedded"] = "embedded"
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, description="0: pick a free port")
+    device: str = "cpu"
+    max_batch_size: int = Field(64, ge=1)
+    max_seq_len: int = Field(512, ge=8)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class SGLangEngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["sglang"] = "sglang"
+    url: str | None = Field(None, description="an SGLang server already running; None: launch one")
+    host: str = "127.0.0.1"
+    port: int = Field(30000, ge=1)
+    tp: int = Field(1, ge=1)
+    ep: int = Field(1, ge=1)
+    mem_fraction_static: float = Field(0.8, gt=0, le=1)
+    extra_args: list[str] = Field(default_factory=list)
+
+
+EngineConfig = Annotated[EmbeddedEngineConfig | SGLangEngineConfig, Field(discriminator="type")]
+
+
+class TaskConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Literal["arithmetic", "gsm8k", "custom"] = "arithmetic"
+    reward: str | None = Field(None, description="module:function of a custom reward (sync or async)")
+    num_train: int = Field(20000, ge=1)
+    num_eval: int = Field(500, ge=1)
+    digits: int = Field(2, ge=1)
+    overlong_buffer: int = Field(0, ge=0, description="DAPO overlong penalty buffer length; 0: off")
+    overlong_penalty: float = Field(1.0, ge=0)
+
+
+class RolloutConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    nodes: int = Field(2, ge=1, description="rollout nodes that `tidal run` starts locally")
+    engines_per_node: int = Field(1, ge=1)
+    engine: EngineConfig = EmbeddedEngineConfig()
+    concurrency: int = Field(64, ge=1, description="requests in flight per engine")
+    update_mode: Literal["in_place", "abort"] = "in_place"
+    heartbeat_s: float = Field(2.0, gt=0)
+    sampling: SamplingConfig = SamplingConfig()

@@ -1,0 +1,38 @@
+"""The run's configuration: composes each component's own config model."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tidal.broker.config import BrokerConfig
+from tidal.model_config import ModelConfig
+from tidal.rollout.config import RolloutConfig, TaskConfig
+from tidal.trainer.config import TrainerConfig
+from tidal.trainer.mesh import mesh_errors
+from tidal.weights_sync.config import WeightSyncConfig
+
+
+class RunConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "tidal"
+    run_dir: str = Field("runs/tiny", description="everything the run writes goes here")
+    seed: int = 0
+    device: Literal["cpu", "cuda"] = "cpu"
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    broker: BrokerConfig = BrokerConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    weights_sync: WeightSyncConfig = WeightSyncConfig()
+
+    @model_validator(mode="after")
+    def _check_mesh(self) -> RunConfig:
+        errors = mesh_errors(
+            self.trainer.mesh, self.trainer.nproc * self.trainer.nnodes, self.model.resolved()
+        )
+        if errors:
+            raise ValueError("; ".join(errors))
+        return self

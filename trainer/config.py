@@ -1,0 +1,61 @@
+"""Configuration of the trainer: mesh, optimizer, algorithm."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tidal.trainer.mesh import MeshConfig
+
+
+class OptimizerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["dist_opt", "fsdp2"] = "dist_opt"
+    lr: float = Field(3e-5, gt=0)
+    min_lr: float = Field(0.0, ge=0)
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = Field(1.0, ge=0)
+
+
+class LossConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["grpo", "sft"] = "grpo"
+    norm_adv_by_std: bool = True
+    clip_ratio_low: float = Field(0.2, ge=0)
+    clip_ratio_high: float = Field(0.2, ge=0)
+    clip_ratio_c: float | None = Field(None, gt=1, description="dual clip; None: off")
+    agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    kl_coef: float = Field(0.0, ge=0)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    entropy_coef: float = Field(0.0, ge=0)
+    recompute_proximal_logprobs: bool = False
+    tis: Literal["off", "token", "sequence"] = "off"
+    tis_cap: float = Field(2.0, gt=0)
+    icepop: tuple[float, float] | None = Field(
+        None, description="mask tokens whose IS ratio is outside [low, high]"
+    )
+
+
+class TrainerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    nproc: int = Field(1, ge=1, description="trainer processes per host (torchrun --nproc-per-node)")
+    nnodes: int = Field(1, ge=1, description="trainer hosts")
+    mesh: MeshConfig = MeshConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    loss: LossConfig = LossConfig()
+    steps: int = Field(100, ge=1)
+    minibatches_per_batch: int = Field(1, ge=1)
+    micro_batch_tokens: int = Field(4096, ge=1, description="token budget of a packed micro-batch")
+    bf16: bool = False
+    deterministic: bool = False
+    checkpoint_every: int = Field(20, ge=0, description="0: only at the end")
+    seed: int = 0
