@@ -5,14 +5,21 @@ VENV := .venv
 UV := $(VENV)/bin/uv
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint format clean
+.PHONY: setup run test lint format clean lock bench-deps
 
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(VENV)/bin/python || $(PY312) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --disable-pip-version-check uv
 	$(UV) pip install --python $(VENV)/bin/python -r requirements.lock
 	$(UV) pip install --python $(VENV)/bin/python --no-deps -e .
+	# SGLang's own request/response types (sglang/api/v1/api_types.py, needs only msgspec) validate the
+	# engine client; the package itself cannot run here, so its dependencies are not installed.
+	$(UV) pip install --python $(VENV)/bin/python --no-deps sglang==0.5.23
 	@touch $(STAMP)
+
+bench-deps: $(STAMP)
+	$(UV) pip install --python $(VENV)/bin/python "ray[default]>=2.30"
+
 
 setup: $(STAMP)
 

@@ -1,0 +1,111 @@
+"""The ``flattened_bucket`` layout shared by sender and receiver (SGLang's FlattenedTensorBucket).
+
+A bucket is one uint8 buffer holding its tensors' bytes back to back, in announcement order. It is
+announced as parallel lists ``names``, ``dtypes`` (torch dtype names, e.g. "float32") and ``shapes``;
+each tensor's byte offset must be a multiple of its dtype's item size, which dtype-homogeneous
+buckets satisfy by construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class BucketSpec:
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_numel(s) * _dtype(d).itemsize for d, s in zip(self.dtypes, self.shapes, strict=True))
+
+
+def _dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in bucket announcement")
+    return dtype
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for d in shape:
+        if d < 0:
+            raise ValueError(f"negative dimension in shape {list(shape)}")
+        n *= d
+    return n
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def pack(
+    named_tensors: list[tuple[str, torch.Tensor]], out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, BucketSpec]:
+    """Copy tensors into one uint8 buffer (``out`` if given, e.g. a reused staging buffer)."""
+    if not named_tensors:
+        raise ValueError("cannot pack an empty bucket")
+    spec = BucketSpec(
+        names=[n for n, _ in named_tensors],
+        dtypes=[dtype_name(t.dtype) for _, t in named_tensors],
+        shapes=[list(t.shape) for _, t in named_tensors],
+    )
+    total = spec.nbytes
+    device = named_tensors[0][1].device
+    buf = out[:total] if out is not None else torch.empty(total, dtype=torch.uint8, device=device)
+    offset = 0
+    for _, t in named_tensors:
+        n = t.numel() * t.element_size()
+        if offset % t.element_size():
+            raise ValueError(
+                f"unaligned tensor at byte {offset} for dtype {t.dtype}: keep buckets dtype-homogeneous"
+            )
+        buf[offset : offset + n].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
+        offset += n
+    return buf, spec
+
+
+def empty(spec: BucketSpec, device: torch.device | str = "cpu") -> torch.Tensor:
+    return torch.empty(spec.nbytes, dtype=torch.uint8, device=device)
+
+
+def unpack(buf: torch.Tensor, spec: BucketSpec) -> list[tuple[str, torch.Tensor]]:
+    """Views into ``buf`` (no copies), one per announced tensor."""
+    out = []
+    offset = 0
+    for name, d, shape in zip(spec.names, spec.dtypes, spec.shapes, strict=True):
+        dtype = _dtype(d)
+        n = _numel(shape) * dtype.itemsize
+        if offset % dtype.itemsize:
+            raise ValueError(f"unaligned tensor {name} at byte {offset} for dtype {d}")
+        if offset + n > buf.numel():
+            raise ValueError(f"bucket of {buf.numel()} bytes is too small for {name} at byte {offset}")
+        out.append((name, buf[offset : offset + n].view(dtype).view(shape)))
+        offset += n
+    return out
+
+
+def plan_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> list[list[tuple[str, torch.Tensor]]]:
+    """Group tensors into dtype-homogeneous buckets of at most ``bucket_bytes`` (a larger tensor goes alone)."""
+    open_buckets: dict[torch.dtype, tuple[list[tuple[str, torch.Tensor]], int]] = {}
+    done: list[list[tuple[str, torch.Tensor]]] = []
+    for name, t in named_tensors:
+        n = t.numel() * t.element_size()
+        items, size = open_buckets.get(t.dtype, ([], 0))
+        if items and size + n > bucket_bytes:
+            done.append(items)
+            items, size = [], 0
+        items.append((name, t))
+        open_buckets[t.dtype] = (items, size + n)
+    done.extend(items for items, _ in open_buckets.values() if items)
+    return done
