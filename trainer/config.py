@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tidal.trainer.mesh import MeshConfig
 
@@ -25,23 +25,47 @@ class OptimizerConfig(BaseModel):
 
 
 class LossConfig(BaseModel):
+    """The RL / SFT objective; docs/algorithms.md gives each term's formula and origin."""
+
     model_config = ConfigDict(extra="forbid")
 
     kind: Literal["grpo", "sft"] = "grpo"
     norm_adv_by_std: bool = True
+    adv_epsilon: float = Field(1e-6, gt=0, description="added to the group reward std before dividing")
     clip_ratio_low: float = Field(0.2, ge=0)
     clip_ratio_high: float = Field(0.2, ge=0)
     clip_ratio_c: float | None = Field(None, gt=1, description="dual clip; None: off")
     agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     kl_coef: float = Field(0.0, ge=0)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_clamp: float | None = Field(
+        10.0, gt=0, description="clamp each token's KL estimate to +-this; None: off"
+    )
     entropy_coef: float = Field(0.0, ge=0)
     recompute_proximal_logprobs: bool = False
-    tis: Literal["off", "token", "sequence"] = "off"
+    tis: Literal["off", "token", "sequence", "geometric"] = "off"
     tis_cap: float = Field(2.0, gt=0)
     icepop: tuple[float, float] | None = Field(
         None, description="mask tokens whose IS ratio is outside [low, high]"
     )
+    offpolicy_max_staleness: int | None = Field(
+        None, ge=0, description="mask sequences whose oldest token is more than this many versions old"
+    )
+    offpolicy_max_kl: float | None = Field(
+        None, gt=0, description="mask sequences whose mean k3 mismatch KL exceeds this"
+    )
+    offpolicy_mask_negative_only: bool = Field(
+        False, description="off-policy masks drop only negative-advantage sequences (DeepSeek-V3.2)"
+    )
+    mask_truncated: bool = Field(False, description="DAPO overlong filtering: no loss on truncated responses")
+
+    @model_validator(mode="after")
+    def _check_icepop(self) -> LossConfig:
+        if self.icepop is not None:
+            low, high = self.icepop
+            if not 0 <= low < high:
+                raise ValueError(f"icepop=({low}, {high}) must satisfy 0 <= low < high, e.g. (0.5, 5.0)")
+        return self
 
 
 class TrainerConfig(BaseModel):
