@@ -26,6 +26,18 @@ class MeshConfig(BaseModel):
     sequence_parallel: bool | None = Field(
         None, description="default: on when tp > 1 and the model has experts"
     )
+    first_stage_layers: int | None = Field(
+        None,
+        ge=1,
+        description="layers on the first pipeline stage (megatron-core num_layers_in_first_pipeline_stage); "
+        "None: the even split",
+    )
+    last_stage_layers: int | None = Field(
+        None,
+        ge=1,
+        description="layers on the last pipeline stage (megatron-core num_layers_in_last_pipeline_stage); "
+        "None: the even split",
+    )
 
 
 @dataclass(frozen=True)
@@ -45,6 +57,43 @@ class MeshLayout:
             f"world={self.world}: world/pp={self.world // self.pp} = tp*cp*dp = {self.tp}*{self.cp}*{self.dp}"
             f" = etp*ep*edp = {self.etp}*{self.ep}*{self.edp}"
         )
+
+
+def layer_split_errors(mesh: MeshConfig, num_layers: int) -> list[str]:
+    """megatron-core's pipeline split: even, or explicit first/last stages with an even middle."""
+    stages = mesh.pp * mesh.vpp
+    if mesh.first_stage_layers is None and mesh.last_stage_layers is None:
+        if num_layers % stages:
+            return [
+                f"mesh: model.num_hidden_layers={num_layers} is not divisible by pp*vpp={stages} "
+                "(or set mesh.first_stage_layers / mesh.last_stage_layers)"
+            ]
+        return []
+    if mesh.pp == 1:
+        return ["mesh: first_stage_layers / last_stage_layers need pp > 1"]
+    errors: list[str] = []
+    middle_layers, middle_stages = num_layers, mesh.pp
+    for name, count in (
+        ("first_stage_layers", mesh.first_stage_layers),
+        ("last_stage_layers", mesh.last_stage_layers),
+    ):
+        if count is None:
+            continue
+        if count % mesh.vpp:
+            errors.append(f"mesh: {name}={count} is not divisible by vpp={mesh.vpp}")
+        middle_layers -= count
+        middle_stages -= 1
+    if middle_layers < 0 or bool(middle_layers) != bool(middle_stages):
+        errors.append(
+            f"mesh: {middle_layers} layers are left for {middle_stages} middle stages "
+            f"(model.num_hidden_layers={num_layers} minus the first/last stage layers)"
+        )
+    elif middle_stages and middle_layers % (middle_stages * mesh.vpp):
+        errors.append(
+            f"mesh: the {middle_layers} middle layers are not divisible by "
+            f"middle stages*vpp={middle_stages}*{mesh.vpp}"
+        )
+    return errors
 
 
 def mesh_errors(mesh: MeshConfig, world: int, model: ModelConfig | None = None) -> list[str]:
@@ -77,11 +126,7 @@ def mesh_errors(mesh: MeshConfig, world: int, model: ModelConfig | None = None) 
             errors.append(
                 f"mesh: model.num_key_value_heads={model.num_key_value_heads} and tp={mesh.tp}: one must divide the other"
             )
-        stages = mesh.pp * mesh.vpp
-        if model.num_hidden_layers % stages:
-            errors.append(
-                f"mesh: model.num_hidden_layers={model.num_hidden_layers} is not divisible by pp*vpp={stages}"
-            )
+        errors.extend(layer_split_errors(mesh, model.num_hidden_layers))
         if model.is_moe and model.num_experts % mesh.ep:
             errors.append(f"mesh: model.num_experts={model.num_experts} is not divisible by ep={mesh.ep}")
         if not model.is_moe and (mesh.ep > 1 or mesh.etp > 1):
