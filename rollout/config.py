@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class SamplingConfig(BaseModel):
@@ -47,13 +47,37 @@ EngineConfig = Annotated[EmbeddedEngineConfig | SGLangEngineConfig, Field(discri
 class TaskConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: Literal["arithmetic", "gsm8k", "custom"] = "arithmetic"
-    reward: str | None = Field(None, description="module:function of a custom reward (sync or async)")
+    name: Literal["arithmetic", "gsm8k", "custom"] = Field(
+        "arithmetic",
+        description="arithmetic: synthetic addition generated into the run directory; gsm8k: verl rows "
+        "(broker.data.path) scored with math-verify; custom: verl rows scored by `reward`",
+    )
+    reward: str | None = Field(
+        None,
+        description="module:function or file.py:function with verl's signature (data_source, solution_str, "
+        "ground_truth, extra_info), sync or async; replaces the task's own reward; required for custom",
+    )
+    tokenizer: str | None = Field(
+        None,
+        description="Hugging Face tokenizer directory; None: <run_dir>/tokenizer (arithmetic), model.path",
+    )
+    eval_path: str | None = Field(None, description="eval rows (verl JSONL/parquet); None: the task's own")
     num_train: int = Field(20000, ge=1)
     num_eval: int = Field(500, ge=1)
-    digits: int = Field(2, ge=1)
+    digits: int = Field(2, ge=1, le=9, description="arithmetic: digits of each (zero-padded) operand")
     overlong_buffer: int = Field(0, ge=0, description="DAPO overlong penalty buffer length; 0: off")
     overlong_penalty: float = Field(1.0, ge=0)
+    reward_workers: int = Field(
+        0,
+        ge=0,
+        description="processes scoring sync rewards; 0: score on the agent's event loop (cheap rewards)",
+    )
+
+    @model_validator(mode="after")
+    def _check_custom(self) -> TaskConfig:
+        if self.name == "custom" and not self.reward:
+            raise ValueError("task.name=custom needs task.reward=module:function (or file.py:function)")
+        return self
 
 
 class RolloutConfig(BaseModel):

@@ -1,0 +1,143 @@
+"""Where a task's files live in the run directory, and writing them before the job starts.
+
+``prepare_task(config, run_dir)`` is what the launcher calls: for the arithmetic task it writes
+``data/{train,eval,sft}.jsonl`` and ``tokenizer/`` (a Hugging Face tokenizer directory) into the run
+directory, skipping the work when a manifest says the same data is already there; for user data it checks
+that the files the config names exist.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tidal.errors import ConfigError
+from tidal.rollout.tasks import arithmetic
+from tidal.rollout.tasks.base import Task
+from tidal.rollout.tasks.char_tokenizer import DEFAULT_CHARSET, save_char_tokenizer
+from tidal.rollout.tasks.data import write_records
+from tidal.rollout.tasks.gsm8k import CustomTask, Gsm8kTask
+
+if TYPE_CHECKING:
+    from tidal.config import RunConfig
+
+TASKS: dict[str, type[Task]] = {
+    "arithmetic": arithmetic.ArithmeticTask,
+    "gsm8k": Gsm8kTask,
+    "custom": CustomTask,
+}
+
+
+@dataclass(frozen=True)
+class TaskFiles:
+    train: Path  # verl rows the broker serves
+    eval: Path | None
+    sft: Path | None  # {"prompt", "response"} rows for the supervised warm-up
+    tokenizer: Path  # a Hugging Face tokenizer directory
+
+
+def task_files(config: RunConfig, run_dir: str | Path | None = None) -> TaskFiles:
+    """The task's files for this config (they may not exist yet; see ``prepare_task``)."""
+    run_dir = Path(run_dir or config.run_dir)
+    task = config.task
+    if task.name == "arithmetic":
+        data = run_dir / "data"
+        return TaskFiles(
+            train=Path(config.broker.data.path) if config.broker.data.path else data / "train.jsonl",
+            eval=Path(task.eval_path) if task.eval_path else data / "eval.jsonl",
+            sft=data / "sft.jsonl",
+            tokenizer=Path(task.tokenizer) if task.tokenizer else run_dir / "tokenizer",
+        )
+    if not config.broker.data.path:
+        raise ConfigError(
+            f"task.name={task.name} reads your data: set broker.data.path to a verl parquet/JSONL file"
+        )
+    tokenizer = task.tokenizer or config.model.path
+    if not tokenizer:
+        raise ConfigError(
+            f"task.name={task.name} needs a tokenizer: set task.tokenizer or model.path to a Hugging Face directory"
+        )
+    return TaskFiles(
+        train=Path(config.broker.data.path),
+        eval=Path(task.eval_path) if task.eval_path else None,
+        sft=None,
+        tokenizer=Path(tokenizer),
+    )
+
+
+def _write_arithmetic(config: RunConfig, files: TaskFiles) -> None:
+    task = config.task
+    manifest = {
+        "digits": task.digits,
+        "num_train": task.num_train,
+        "num_eval": task.num_eval,
+        "seed": config.seed,
+        "charset": DEFAULT_CHARSET,
+    }
+    manifest_path = files.train.parent / "manifest.json"
+    wanted = [files.train, files.eval, files.sft, files.tokenizer / "tokenizer.json"]
+    if (
+        manifest_path.exists()
+        and json.loads(manifest_path.read_text()) == manifest
+        and all(p is not None and p.exists() for p in wanted)
+    ):
+        return
+    try:
+        train, evaluation = arithmetic.make_records(task.digits, task.num_train, task.num_eval, config.seed)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    write_records(files.train, train)
+    write_records(files.eval, evaluation)
+    write_records(files.sft, arithmetic.sft_records(train))
+    save_char_tokenizer(files.tokenizer, DEFAULT_CHARSET)
+    manifest_path.write_text(json.dumps(manifest, indent=1))
+
+
+def prepare_task(config: RunConfig, run_dir: str | Path | None = None) -> TaskFiles:
+    """Write (arithmetic) or check (user data) the task's files; returns where they are."""
+    files = task_files(config, run_dir)
+    if config.task.name == "arithmetic" and not config.broker.data.path:
+        _write_arithmetic(config, files)
+    missing = [str(p) for p in (files.train, files.eval) if p is not None and not p.exists()]
+    if (
+        not (files.tokenizer / "tokenizer.json").exists()
+        and not (files.tokenizer / "tokenizer_config.json").exists()
+    ):
+        missing.append(f"{files.tokenizer} (a Hugging Face tokenizer directory)")
+    if missing:
+        raise ConfigError(f"task.name={config.task.name}: missing {', '.join(missing)}")
+    vocab = _tokenizer_vocab_size(files.tokenizer)
+    if vocab > config.model.resolved().vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={config.model.resolved().vocab_size} is smaller than the tokenizer's "
+            f"{vocab} tokens ({files.tokenizer}); set model.vocab_size >= {vocab}"
+        )
+    return files
+
+
+def _tokenizer_vocab_size(directory: Path) -> int:
+    from tokenizers import Tokenizer
+
+    path = directory / "tokenizer.json"
+    if path.exists():
+        return Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+    return len(load_tokenizer(directory))
+
+
+def load_tokenizer(directory: str | Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(directory))
+
+
+def build_task(config: RunConfig, run_dir: str | Path | None = None, tokenizer=None) -> Task:
+    """The configured task with its tokenizer loaded (from ``task_files``, unless one is given)."""
+    if tokenizer is None:
+        tokenizer = load_tokenizer(task_files(config, run_dir).tokenizer)
+    cls = TASKS[config.task.name]
+    try:
+        return cls(config.task, tokenizer, config.rollout.sampling.max_new_tokens)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
