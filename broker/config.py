@@ -40,6 +40,7 @@ class BrokerConfig(BaseModel):
 
     bind: str = Field("tcp://127.0.0.1:5555", description="ZeroMQ ROUTER address")
     metrics_port: int | None = Field(None, description="Prometheus endpoint port; None: off")
+    metrics_host: str = Field("127.0.0.1", description="interface the Prometheus endpoint listens on")
     group_size: int = Field(8, ge=1, description="samples per prompt (GRPO's G)")
     batch_groups: int = Field(32, ge=1, description="prompt groups per training batch")
     max_staleness: int = Field(2, ge=0, description="eta; 0 is synchronous on-policy")

@@ -1,0 +1,266 @@
+"""Client library: :class:`AsyncBrokerClient` for rollout node agents, :class:`BrokerClient` (blocking) for the
+trainer. Both speak the protocol of docs/protocol.md over one ZeroMQ DEALER socket.
+
+A call that gets no reply within ``timeout_s`` raises :class:`BrokerTimeout` (the broker is down or
+unreachable, or CURVE refused this client's key: ZeroMQ then never completes the connection).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from tidal.broker import protocol as proto
+from tidal.broker.codec import decode_group, encode_group, lease_from_wire
+from tidal.broker.curve import CurveClientKeys
+from tidal.broker.types import Batch, Group, Lease
+
+
+class LeaseRejected(Exception):
+    """Submit on an expired or unknown lease: the prompts were re-leased; drop these groups."""
+
+
+class BrokerError(Exception):
+    """The broker answered with an error; the message says why."""
+
+    def __init__(self, message: str, code: str = ""):
+        super().__init__(message)
+        self.code = code
+
+
+class BrokerTimeout(BrokerError):
+    """No reply in time."""
+
+
+def _raise_for(type_: str, body: dict[str, Any], what: str) -> None:
+    if type_ == "ok":
+        return
+    code, message = body.get("code", "?"), body.get("message", repr(body))
+    if code == proto.LEASE_REJECTED:
+        raise LeaseRejected(message)
+    raise BrokerError(f"broker refused {what} ({code}): {message}", code)
+
+
+def _batch(body: dict[str, Any], frames: list[Any]) -> Batch | None:
+    b = body.get("batch")
+    if b is None:
+        return None
+    return Batch(b["batch_id"], [decode_group(f) for f in frames], b["policy_version"])
+
+
+def _lease(body: dict[str, Any]) -> Lease | None:
+    return lease_from_wire(body["lease"]) if body.get("lease") else None
+
+
+def _socket(ctx: zmq.Context, address: str, curve: CurveClientKeys | None) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        curve.apply(sock)
+    sock.connect(address)
+    return sock
+
+
+def _timeout_msg(what: str, address: str, timeout: float) -> str:
+    return (
+        f"no reply to {what} from the broker at {address} within {timeout:.1f}s: is it running and "
+        "reachable, and (with CURVE) is this client's public key in its allowed keys?"
+    )
+
+
+class AsyncBrokerClient:
+    """asyncio client; one reader task matches replies to requests, so calls may run concurrently."""
+
+    def __init__(self, address: str, *, curve: CurveClientKeys | None = None, timeout_s: float = 30.0):
+        self.address = address
+        self.timeout_s = timeout_s
+        self.node_id: str | None = None
+        self._ctx = zmq.asyncio.Context()
+        self._sock = _socket(self._ctx, address, curve)
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._reader: asyncio.Task | None = None
+
+    async def _read_loop(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            try:
+                rid, type_, body = proto.decode_reply(frames[0].buffer)
+            except Exception:
+                continue
+            fut = self._pending.pop(rid, None)
+            if fut is not None and not fut.done():
+                fut.set_result((type_, body, frames[1:]))
+
+    async def _call(
+        self, type_: str, body: dict[str, Any], frames=(), timeout: float | None = None
+    ) -> tuple[dict[str, Any], list[Any]]:
+        if self._reader is None:
+            self._reader = asyncio.create_task(self._read_loop())
+        rid = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        timeout = self.timeout_s if timeout is None else timeout
+        try:
+            await self._sock.send_multipart([proto.encode_envelope(type_, rid, body), *frames], copy=False)
+            rtype, rbody, rframes = await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise BrokerTimeout(_timeout_msg(type_, self.address, timeout)) from None
+        finally:
+            self._pending.pop(rid, None)
+        _raise_for(rtype, rbody, type_)
+        return rbody, rframes
+
+    async def register(self, role: str, name: str, meta: dict | None = None) -> str:
+        body, _ = await self._call("register", {"role": role, "name": name, "meta": meta or {}})
+        self.node_id = body["node_id"]
+        return self.node_id
+
+    async def heartbeat(self) -> dict:
+        return (await self._call("heartbeat", {}))[0]
+
+    async def lease(self, max_groups: int) -> Lease | None:
+        return _lease((await self._call("lease", {"max_groups": max_groups}))[0])
+
+    async def submit(self, lease_id: str, groups: list[Group]) -> dict:
+        frames = [encode_group(g) for g in groups]
+        return (await self._call("submit", {"lease_id": lease_id, "groups": len(frames)}, frames))[0]
+
+    async def release(self, lease_id: str, group_ids: list[str] | None = None) -> None:
+        await self._call("release", {"lease_id": lease_id, "group_ids": group_ids})
+
+    async def policy_version(self) -> int:
+        return (await self._call("policy_version", {}))[0]["policy_version"]
+
+    async def publish_version(self, version: int) -> None:
+        await self._call("publish_version", {"version": version})
+
+    async def get_batch(
+        self, after: int, num_groups: int | None = None, timeout_s: float | None = None
+    ) -> Batch | None:
+        wait = None if timeout_s is None else timeout_s + self.timeout_s
+        body, frames = await self._call(
+            "get_batch", {"after": after, "num_groups": num_groups, "timeout_s": timeout_s}, timeout=wait
+        )
+        return _batch(body, frames)
+
+    async def report_consumed(self, batch_id: int) -> None:
+        await self._call("report_consumed", {"batch_id": batch_id})
+
+    async def stats(self) -> dict:
+        return (await self._call("stats", {}))[0]
+
+    async def leave(self) -> None:
+        await self._call("leave", {})
+        self.node_id = None
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+            self._reader = None
+        self._sock.close(0)
+        self._ctx.term()
+
+    async def __aenter__(self) -> AsyncBrokerClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class BrokerClient:
+    """Blocking client for one thread (the trainer). Replies to calls that timed out are skipped."""
+
+    def __init__(self, address: str, *, curve: CurveClientKeys | None = None, timeout_s: float = 30.0):
+        self.address = address
+        self.timeout_s = timeout_s
+        self.node_id: str | None = None
+        self._ctx = zmq.Context()
+        self._sock = _socket(self._ctx, address, curve)
+        self._ids = itertools.count(1)
+
+    def _call(
+        self, type_: str, body: dict[str, Any], frames=(), timeout: float | None = -1.0
+    ) -> tuple[dict[str, Any], list[Any]]:
+        timeout = self.timeout_s if timeout == -1.0 else timeout
+        rid = next(self._ids)
+        self._sock.send_multipart([proto.encode_envelope(type_, rid, body), *frames], copy=False)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            if not self._sock.poll(wait_ms):
+                raise BrokerTimeout(_timeout_msg(type_, self.address, timeout))
+            reply = self._sock.recv_multipart(copy=False)
+            try:
+                got, rtype, rbody = proto.decode_reply(reply[0].buffer)
+            except Exception:
+                continue
+            if got == rid:
+                _raise_for(rtype, rbody, type_)
+                return rbody, reply[1:]
+
+    def register(self, role: str, name: str, meta: dict | None = None) -> str:
+        body, _ = self._call("register", {"role": role, "name": name, "meta": meta or {}})
+        self.node_id = body["node_id"]
+        return self.node_id
+
+    def heartbeat(self) -> dict:
+        return self._call("heartbeat", {})[0]
+
+    def lease(self, max_groups: int) -> Lease | None:
+        return _lease(self._call("lease", {"max_groups": max_groups})[0])
+
+    def submit(self, lease_id: str, groups: list[Group]) -> dict:
+        frames = [encode_group(g) for g in groups]
+        return self._call("submit", {"lease_id": lease_id, "groups": len(frames)}, frames)[0]
+
+    def release(self, lease_id: str, group_ids: list[str] | None = None) -> None:
+        self._call("release", {"lease_id": lease_id, "group_ids": group_ids})
+
+    def policy_version(self) -> int:
+        return self._call("policy_version", {})[0]["policy_version"]
+
+    def publish_version(self, version: int) -> None:
+        """The trainer's policy version after an optimizer step."""
+        self._call("publish_version", {"version": version})
+
+    def get_batch(
+        self, after: int, num_groups: int | None = None, timeout_s: float | None = None
+    ) -> Batch | None:
+        """Batch ``after + 1`` (after=-1 for the first); blocks until it is ready, None on timeout or when
+        the data is exhausted (``stats()["finished"]`` tells which). A batch once cut is journaled: asking
+        again for the same id returns the same groups."""
+        wait = None if timeout_s is None else timeout_s + self.timeout_s
+        body, frames = self._call(
+            "get_batch", {"after": after, "num_groups": num_groups, "timeout_s": timeout_s}, timeout=wait
+        )
+        return _batch(body, frames)
+
+    def report_consumed(self, batch_id: int) -> None:
+        """The trainer trained through ``batch_id`` durably (checkpointed); a restart resumes after it."""
+        self._call("report_consumed", {"batch_id": batch_id})
+
+    def stats(self) -> dict:
+        return self._call("stats", {})[0]
+
+    def leave(self) -> None:
+        self._call("leave", {})
+        self.node_id = None
+
+    def close(self) -> None:
+        self._sock.close(0)
+        self._ctx.term()
+
+    def __enter__(self) -> BrokerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,82 @@
+"""``tidal broker``: run the sample broker until SIGTERM/SIGINT.
+
+It replays the journal (``broker.journal.dir``, default ``<run_dir>/journal``), binds ``broker.bind``,
+and serves rollout nodes and the trainer. Prompts come from ``broker.data.path`` (parquet or JSONL in
+verl's format).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+from tidal.broker.journal import Journal
+from tidal.broker.metrics import serve_metrics
+from tidal.broker.server import BrokerServer
+from tidal.broker.source import PromptSource, load_rows
+from tidal.broker.state import BrokerState
+from tidal.errors import ConfigError
+
+log = logging.getLogger("tidal.broker")
+
+
+def build_state(config) -> BrokerState:
+    """Load the prompt source and replay the journal."""
+    cfg = config.broker
+    if not cfg.data.path:
+        raise ConfigError(
+            "broker.data.path is not set: give the broker a parquet or JSONL file in verl's format "
+            "(tidal run writes one for the task; `tidal broker` needs it explicitly)"
+        )
+    source = PromptSource(
+        load_rows(cfg.data.path), seed=cfg.data.seed, shuffle=cfg.data.shuffle, epochs=cfg.data.epochs
+    )
+    journal = Journal(
+        cfg.journal.dir or Path(config.run_dir) / "journal",
+        fsync=cfg.journal.fsync,
+        fsync_interval_s=cfg.journal.fsync_interval_s,
+    )
+    state = BrokerState(cfg, source, journal)
+    records = journal.open()
+    state.replay(records)
+    state.maybe_compact()
+    return state
+
+
+async def _serve(config) -> None:
+    state = build_state(config)
+    server = BrokerServer(config.broker, state)
+    if config.broker.metrics_port is not None:
+        serve_metrics(config.broker.metrics_port, config.broker.metrics_host, lambda: server.snapshot)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    s = state.stats()
+    log.info(
+        "broker on %s: journal %s (%d bytes), version %d, next batch %d, %d groups buffered, %d requeued",
+        config.broker.bind,
+        state.journal.path,
+        state.journal.bytes_written,
+        s["policy_version"],
+        s["batches"]["next"],
+        s["buffered_groups"],
+        s["requeued"],
+    )
+    try:
+        await server.serve(stop)
+    finally:
+        state.journal.close()
+        log.info("broker stopped")
+
+
+def main(config, args: list[str]) -> int:
+    if args:
+        raise ConfigError(f"tidal broker takes no flags, got {args}; configure it with broker.* overrides")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import uvloop
+
+    uvloop.run(_serve(config))
+    return 0

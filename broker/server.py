@@ -1,0 +1,288 @@
+"""The broker process: one ZeroMQ ROUTER socket served by an asyncio loop.
+
+Each request is parsed and validated (:mod:`tidal.broker.protocol`), applied to :class:`BrokerState` (which
+journals before returning) and answered. A ``get_batch`` that cannot be served yet waits in a list that is
+revisited after every change and on a timer tick, which also expires leases and silent nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from tidal.broker import protocol as proto
+from tidal.broker.codec import lease_to_wire
+from tidal.broker.config import BrokerConfig
+from tidal.broker.curve import configure_server
+from tidal.broker.state import BrokerState, CutBatch
+
+log = logging.getLogger(__name__)
+
+# Codes that mean the frame itself was bad (counted as bad frames); the others are refusals of valid requests.
+_BAD_FRAME_CODES = {proto.BAD_FRAME, proto.BAD_VERSION, proto.UNKNOWN_TYPE, proto.TOO_LARGE, proto.BAD_GROUP}
+_AUTH_FAILED_EVENTS = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+
+
+@dataclass
+class _Waiter:
+    peer: bytes
+    rid: int
+    after: int
+    num_groups: int | None
+    deadline: float
+
+
+class BrokerServer:
+    def __init__(self, config: BrokerConfig, state: BrokerState):
+        self.cfg = config
+        self.state = state
+        self.errors: Counter[str] = Counter()
+        self.auth_failures = 0
+        self.requests = 0
+        self.started = time.time()
+        self.snapshot: dict[str, Any] = {}  # stats refreshed every tick, read by the Prometheus thread
+        self._waiters: list[_Waiter] = []
+        self._ctx = zmq.asyncio.Context()
+        self._auth = None
+        self.sock = self._ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        # Frames over the limit make libzmq drop the connection before reading them into memory.
+        self.sock.setsockopt(zmq.MAXMSGSIZE, config.max_frame_bytes)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        if config.curve.enabled:
+            self._auth = configure_server(self._ctx, self.sock, config.curve)
+        self._monitor = self.sock.get_monitor_socket(_AUTH_FAILED_EVENTS) if config.curve.enabled else None
+        self.sock.bind(config.bind)
+        self.tick_s = min(0.25, config.lease_timeout_s / 4, config.node_timeout_s / 4)
+
+    # ------------------------------------------------------------------ loop
+    async def serve(self, stop: asyncio.Event) -> None:
+        tasks = [asyncio.create_task(self._ticker(stop))]
+        if self._monitor is not None:
+            tasks.append(asyncio.create_task(self._watch_auth()))
+        recv: asyncio.Future | None = None
+        stopper = asyncio.create_task(stop.wait())
+        try:
+            while not stop.is_set():
+                recv = recv or asyncio.ensure_future(self.sock.recv_multipart(copy=False))
+                done, _ = await asyncio.wait({recv, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                if recv in done:
+                    frames, recv = recv.result(), None
+                    await self._handle(frames[0].bytes, frames[1:])
+        finally:
+            for t in (*tasks, stopper, *([recv] if recv else [])):
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.close()
+
+    def close(self) -> None:
+        if self._monitor is not None:
+            self.sock.disable_monitor()
+            self._monitor.close(0)
+            self._monitor = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        self.sock.close(0)
+        self._ctx.term()
+
+    async def _ticker(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            now = time.time()
+            self.state.expire(now)
+            await self._serve_waiters(now)
+            self.snapshot = self.stats(now)
+            await asyncio.sleep(self.tick_s)
+
+    async def _watch_auth(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while True:
+            event = await recv_monitor_message(self._monitor)
+            self.auth_failures += 1
+            log.warning("CURVE handshake refused: event %s from %s", event["event"], event["endpoint"])
+
+    # -------------------------------------------------------------- requests
+    async def _handle(self, peer: bytes, frames: list[zmq.Frame]) -> None:
+        self.requests += 1
+        try:
+            req = proto.decode_request(frames, self.cfg.max_frame_bytes)
+        except proto.ProtocolError as exc:
+            rid = proto.peek_id(frames[0].buffer) if frames else None
+            await self._error(peer, rid if rid is not None else 0, exc)
+            return
+        try:
+            await getattr(self, f"_on_{req.type}")(peer, req)
+        except proto.ProtocolError as exc:
+            await self._error(peer, req.id, exc)
+        except Exception as exc:  # a bug must not take the broker down; the client learns what failed
+            log.exception("request %s failed", req.type)
+            await self._error(peer, req.id, proto.ProtocolError("internal", f"{type(exc).__name__}: {exc}"))
+
+    async def _error(self, peer: bytes, rid: int, exc: proto.ProtocolError) -> None:
+        self.errors[exc.code] += 1
+        if exc.code in _BAD_FRAME_CODES:
+            self.state.counters.bad_frames += 1
+        await self._send(peer, rid, "error", proto.error_body(exc.code, exc.message))
+
+    async def _send(self, peer: bytes, rid: int, type_: str, body: dict[str, Any], frames=()) -> None:
+        await self.sock.send_multipart([peer, proto.encode_envelope(type_, rid, body), *frames], copy=False)
+
+    async def _ok(self, peer: bytes, rid: int, body: dict[str, Any] | None = None) -> None:
+        await self._send(peer, rid, "ok", body or {})
+
+    async def _on_register(self, peer: bytes, req: proto.Request) -> None:
+        meta = req.body.get("meta") or {}
+        if not isinstance(meta, dict):
+            raise proto.ProtocolError(proto.BAD_FRAME, "register: meta must be a map")
+        node = self.state.register(peer, req.body["role"], req.body["name"], meta, time.time())
+        log.info("node %s (%s %r) joined", node.node_id, node.role, node.name)
+        await self._ok(
+            peer,
+            req.id,
+            {
+                "node_id": node.node_id,
+                "policy_version": self.state.version,
+                "protocol": proto.PROTOCOL_VERSION,
+                "group_size": self.cfg.group_size,
+                "batch_groups": self.cfg.batch_groups,
+                "max_staleness": self.cfg.max_staleness,
+                "lease_timeout_s": self.cfg.lease_timeout_s,
+                "node_timeout_s": self.cfg.node_timeout_s,
+            },
+        )
+
+    async def _on_heartbeat(self, peer: bytes, req: proto.Request) -> None:
+        now = time.time()
+        node = self.state.node_for(peer, now)
+        extended = self.state.heartbeat(node, now)
+        await self._ok(
+            peer,
+            req.id,
+            {"policy_version": self.state.version, "leases": extended, "finished": self.state.finished},
+        )
+
+    async def _on_lease(self, peer: bytes, req: proto.Request) -> None:
+        now = time.time()
+        node = self.state.node_for(peer, now)
+        lease = self.state.lease(node, req.body["max_groups"], now)
+        await self._ok(
+            peer,
+            req.id,
+            {
+                "lease": lease_to_wire(lease) if lease else None,
+                "policy_version": self.state.version,
+                "finished": self.state.finished,
+            },
+        )
+
+    async def _on_submit(self, peer: bytes, req: proto.Request) -> None:
+        now = time.time()
+        node = self.state.node_for(peer, now)
+        result = self.state.submit(node, req.body["lease_id"], [f.buffer for f in req.attachments], now)
+        await self._ok(peer, req.id, result)
+        await self._serve_waiters(now)
+
+    async def _on_release(self, peer: bytes, req: proto.Request) -> None:
+        ids = req.body.get("group_ids")
+        if ids is not None and not (isinstance(ids, list) and all(isinstance(g, str) for g in ids)):
+            raise proto.ProtocolError(proto.BAD_FRAME, "release: group_ids must be a list of strings or nil")
+        node = self.state.node_for(peer, time.time())
+        n = self.state.release(node, req.body["lease_id"], ids)
+        await self._ok(peer, req.id, {"released": n})
+
+    async def _on_leave(self, peer: bytes, req: proto.Request) -> None:
+        node = self.state.node_for(peer, time.time())
+        self.state.leave(node)
+        log.info("node %s (%s %r) left", node.node_id, node.role, node.name)
+        await self._ok(peer, req.id)
+
+    async def _on_policy_version(self, peer: bytes, req: proto.Request) -> None:
+        self.state.seen(peer, time.time())
+        await self._ok(peer, req.id, {"policy_version": self.state.version})
+
+    async def _on_publish_version(self, peer: bytes, req: proto.Request) -> None:
+        now = time.time()
+        self.state.seen(peer, now)
+        self.state.publish_version(req.body["version"])
+        await self._ok(peer, req.id, {"policy_version": self.state.version})
+        await self._serve_waiters(now)
+
+    async def _on_report_consumed(self, peer: bytes, req: proto.Request) -> None:
+        self.state.seen(peer, time.time())
+        self.state.report_consumed(req.body["batch_id"])
+        await self._ok(peer, req.id, {"consumed": self.state.consumed})
+        if self.state.maybe_compact():
+            log.info("journal compacted to %d bytes", self.state.journal.bytes_written)
+
+    async def _on_stats(self, peer: bytes, req: proto.Request) -> None:
+        self.state.seen(peer, time.time())
+        await self._ok(peer, req.id, self.stats())
+
+    async def _on_get_batch(self, peer: bytes, req: proto.Request) -> None:
+        now = time.time()
+        self.state.seen(peer, now)
+        num_groups, timeout_s = req.body.get("num_groups"), req.body.get("timeout_s")
+        if num_groups is not None and (not isinstance(num_groups, int) or isinstance(num_groups, bool)):
+            raise proto.ProtocolError(proto.BAD_FRAME, "get_batch: num_groups must be an integer or nil")
+        if timeout_s is not None and (not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool)):
+            raise proto.ProtocolError(proto.BAD_FRAME, "get_batch: timeout_s must be a number or nil")
+        deadline = math.inf if timeout_s is None else now + max(0.0, float(timeout_s))
+        waiter = _Waiter(peer, req.id, req.body["after"], num_groups, deadline)
+        if not await self._try_serve(waiter, now):
+            self._waiters.append(waiter)
+
+    async def _try_serve(self, w: _Waiter, now: float) -> bool:
+        try:
+            batch = self.state.get_batch(w.after, w.num_groups)
+        except proto.ProtocolError as exc:
+            await self._error(w.peer, w.rid, exc)
+            return True
+        if batch is not None:
+            await self._send_batch(w, batch)
+            return True
+        finished = self.state.finished and not self.state.buffer
+        if finished or now >= w.deadline:
+            await self._ok(w.peer, w.rid, {"batch": None, "finished": finished})
+            return True
+        return False
+
+    async def _serve_waiters(self, now: float) -> None:
+        if self._waiters:
+            waiters, self._waiters = self._waiters, []
+            for w in waiters:
+                if not await self._try_serve(w, now):
+                    self._waiters.append(w)
+
+    async def _send_batch(self, w: _Waiter, batch: CutBatch) -> None:
+        body = {
+            "batch": {
+                "batch_id": batch.batch_id,
+                "policy_version": batch.policy_version,
+                "groups": len(batch.group_ids),
+            }
+        }
+        await self._send(w.peer, w.rid, "ok", body, self.state.frames_of(batch))
+
+    # ----------------------------------------------------------------- stats
+    def stats(self, now: float | None = None) -> dict[str, Any]:
+        out = self.state.stats(now)
+        out["errors"] = dict(self.errors)
+        out["auth_failures"] = self.auth_failures
+        out["requests"] = self.requests
+        out["waiting_batch_requests"] = len(self._waiters)
+        out["uptime_s"] = round(time.time() - self.started, 3)
+        return out

@@ -1,0 +1,511 @@
+"""The broker's bookkeeping, without any I/O but the journal: prompts, leases, members, buffer, batches.
+
+Every change that must survive a crash is journaled before the method returns, so the server may
+acknowledge as soon as a call returns. Time is passed in (``now``, unix seconds) to keep this testable.
+
+Group lifecycle: taken from the source (journal TAKE; "outstanding") -> on a lease -> submitted: accepted
+into the buffer (journal GROUP) or filtered (journal DROP) -> cut into a batch (journal BATCH) or
+dropped as too stale (journal DROP) -> consumed (journal CONSUMED; forgotten at the next compaction).
+An expired, released or abandoned lease puts its groups back at the front of the queue.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from tidal.broker import staleness as st
+from tidal.broker.codec import GroupInfo, inspect_group
+from tidal.broker.config import BrokerConfig
+from tidal.broker.journal import Journal, Kind
+from tidal.broker.protocol import BAD_GROUP, BAD_REQUEST, LEASE_REJECTED, NOT_REGISTERED, ProtocolError
+from tidal.broker.source import PromptSource
+from tidal.broker.types import Lease, PromptGroup
+
+THROUGHPUT_WINDOW_S = 10.0
+
+
+@dataclass
+class Node:
+    node_id: str
+    role: str
+    name: str
+    meta: dict[str, Any]
+    peer: bytes
+    joined: float
+    last_seen: float
+    alive: bool = True
+    leases: set[str] = field(default_factory=set)
+
+
+@dataclass
+class LeaseState:
+    lease_id: str
+    node_id: str
+    deadline: float
+    pending: dict[str, PromptGroup]  # group id -> prompt group, not yet submitted
+
+
+@dataclass
+class StoredGroup:
+    info: GroupInfo
+    frame: Any  # bytes-like: the group frame exactly as it came (journaled and forwarded as is)
+
+
+@dataclass
+class CutBatch:
+    batch_id: int
+    group_ids: list[str]
+    policy_version: int
+
+
+@dataclass
+class Counters:
+    accepted_groups: int = 0
+    accepted_samples: int = 0
+    accepted_bytes: int = 0
+    filtered_groups: int = 0
+    dropped_stale_groups: int = 0
+    expired_leases: int = 0
+    released_groups: int = 0
+    rejected_submissions: int = 0
+    nodes_timed_out: int = 0
+    bad_frames: int = 0
+    batches_cut: int = 0
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj)
+
+
+def _unpack(payload: memoryview) -> Any:
+    return msgpack.unpackb(payload, raw=False, strict_map_key=False)
+
+
+class BrokerState:
+    def __init__(self, config: BrokerConfig, source: PromptSource, journal: Journal | None):
+        self.cfg = config
+        self.source = source
+        self.journal = journal
+        self.requeue: deque[str] = deque()
+        self.outstanding: dict[str, None] = {}  # taken from the source, not yet resolved (ordered set)
+        self.leases: dict[str, LeaseState] = {}
+        self.nodes: dict[str, Node] = {}
+        self.peers: dict[bytes, str] = {}
+        self.version = 0
+        self.accepted_live = 0  # admission's "accepted": accepted and not dropped, since the run started
+        self.buffer: dict[str, StoredGroup | None] = {}  # accepted, not yet in a batch (FIFO)
+        self.batches: dict[int, CutBatch] = {}  # cut and not yet consumed
+        self.batch_store: dict[str, StoredGroup | None] = {}  # groups of those batches
+        self.next_batch_id = 0
+        self.consumed = -1
+        self.counters = Counters()
+        self.histogram: Counter[int] = Counter()
+        self._recent: deque[tuple[float, int, int]] = deque()  # (time, samples, bytes) of accepted groups
+
+    # ---------------------------------------------------------------- journal
+    def _log(self, kind: Kind, payload: bytes | memoryview) -> None:
+        if self.journal is not None:
+            self.journal.append(kind, payload)
+
+    def replay(self, records: list[tuple[Kind, memoryview]]) -> None:
+        """Rebuild the state from the journal; leases do not survive a restart, their prompts are re-queued."""
+        for kind, payload in records:
+            if kind is Kind.GROUP:
+                info = inspect_group(payload)
+                self.outstanding.pop(info.group_id, None)
+                self._accept(StoredGroup(info, payload), now=None)
+            elif kind is Kind.RESTORE:
+                stored = StoredGroup(inspect_group(payload), payload)
+                gid = stored.info.group_id
+                (self.buffer if gid in self.buffer else self.batch_store)[gid] = stored
+            else:
+                self._apply(kind, _unpack(payload))
+        missing = [g for g, s in {**self.buffer, **self.batch_store}.items() if s is None]
+        if missing:
+            raise RuntimeError(
+                f"journal {self.journal.path}: snapshot names groups it does not hold: {missing[:5]}"
+            )
+        self.requeue.extend(self.outstanding)
+
+    def _apply(self, kind: Kind, d: dict[str, Any]) -> None:
+        if kind is Kind.TAKE:
+            self.outstanding.update(dict.fromkeys(d["ids"]))
+            self.source.seek(d["epoch"], d["pos"])
+        elif kind is Kind.DROP:
+            self.outstanding.pop(d["id"], None)
+            if d["reason"] == "stale":
+                self.buffer.pop(d["id"], None)
+                self.accepted_live -= 1
+                self.counters.dropped_stale_groups += 1
+            else:
+                self.counters.filtered_groups += 1
+        elif kind is Kind.BATCH:
+            self._cut(CutBatch(d["batch_id"], d["ids"], d["version"]))
+        elif kind is Kind.CONSUMED:
+            self._forget_through(d["batch_id"])
+        elif kind is Kind.VERSION:
+            self.version = d["version"]
+        elif kind is Kind.SNAPSHOT:
+            self._load_snapshot(d)
+
+    # ------------------------------------------------------------- membership
+    def register(self, peer: bytes, role: str, name: str, meta: dict[str, Any], now: float) -> Node:
+        if role not in ("rollout", "trainer"):
+            raise ProtocolError(BAD_REQUEST, f"register: role must be 'rollout' or 'trainer', got {role!r}")
+        old = self.peers.get(peer)
+        if old is not None:
+            self.leave(self.nodes[old])
+        node = Node(f"{role}-{uuid.uuid4().hex[:8]}", role, name, meta, peer, now, now)
+        self.nodes[node.node_id] = node
+        self.peers[peer] = node.node_id
+        return node
+
+    def node_for(self, peer: bytes, now: float) -> Node:
+        node_id = self.peers.get(peer)
+        if node_id is None:
+            raise ProtocolError(NOT_REGISTERED, "this connection has not registered; send 'register' first")
+        node = self.nodes[node_id]
+        node.last_seen, node.alive = now, True
+        return node
+
+    def seen(self, peer: bytes, now: float) -> None:
+        node_id = self.peers.get(peer)
+        if node_id is not None:
+            node = self.nodes[node_id]
+            node.last_seen, node.alive = now, True
+
+    def heartbeat(self, node: Node, now: float) -> int:
+        for lease_id in node.leases:
+            self.leases[lease_id].deadline = now + self.cfg.lease_timeout_s
+        return len(node.leases)
+
+    def leave(self, node: Node) -> None:
+        for lease_id in list(node.leases):
+            self._return_lease(lease_id)
+        node.alive = False
+        self.peers.pop(node.peer, None)
+        self.nodes.pop(node.node_id, None)
+
+    # ------------------------------------------------------------------ leases
+    @property
+    def leased(self) -> int:
+        return sum(len(lease.pending) for lease in self.leases.values())
+
+    def capacity(self) -> int:
+        return st.admission_capacity(
+            leased=self.leased,
+            accepted=self.accepted_live,
+            version=self.version,
+            max_staleness=self.cfg.max_staleness,
+            batch_groups=self.cfg.batch_groups,
+        )
+
+    def lease(self, node: Node, max_groups: int, now: float) -> Lease | None:
+        if max_groups < 1:
+            raise ProtocolError(BAD_REQUEST, f"lease: max_groups must be >= 1, got {max_groups}")
+        k = min(max_groups, self.capacity())
+        if k <= 0:
+            return None
+        ids = [self.requeue.popleft() for _ in range(min(k, len(self.requeue)))]
+        if len(ids) < k:
+            fresh = self.source.take(k - len(ids))
+            if fresh:
+                self._log(
+                    Kind.TAKE, _pack({"ids": fresh, "epoch": self.source.epoch, "pos": self.source.pos})
+                )
+                self.outstanding.update(dict.fromkeys(fresh))
+                ids += fresh
+        if not ids:
+            return None
+        groups = {g: PromptGroup(g, self.source.row_of(g), self.cfg.group_size) for g in ids}
+        lease = LeaseState(uuid.uuid4().hex, node.node_id, now + self.cfg.lease_timeout_s, groups)
+        self.leases[lease.lease_id] = lease
+        node.leases.add(lease.lease_id)
+        return Lease(lease.lease_id, lease.deadline, list(groups.values()))
+
+    def _return_lease(self, lease_id: str, group_ids: list[str] | None = None) -> int:
+        lease = self.leases[lease_id]
+        ids = list(lease.pending) if group_ids is None else [g for g in group_ids if g in lease.pending]
+        for g in ids:
+            del lease.pending[g]
+        self.requeue.extendleft(reversed(ids))
+        if not lease.pending:
+            self._close_lease(lease)
+        return len(ids)
+
+    def _close_lease(self, lease: LeaseState) -> None:
+        self.leases.pop(lease.lease_id, None)
+        node = self.nodes.get(lease.node_id)
+        if node is not None:
+            node.leases.discard(lease.lease_id)
+
+    def release(self, node: Node, lease_id: str, group_ids: list[str] | None) -> int:
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.node_id != node.node_id:
+            return 0  # already expired or closed: its groups are back in the queue
+        n = self._return_lease(lease_id, group_ids)
+        self.counters.released_groups += n
+        return n
+
+    def expire(self, now: float) -> None:
+        """Return the groups of expired leases and of nodes that stopped talking to the queue."""
+        for lease in list(self.leases.values()):
+            if lease.deadline < now:
+                self.counters.expired_leases += 1
+                self._return_lease(lease.lease_id)
+        for node in self.nodes.values():
+            if node.alive and now - node.last_seen > self.cfg.node_timeout_s:
+                node.alive = False
+                self.counters.nodes_timed_out += 1
+                for lease_id in list(node.leases):
+                    self.counters.expired_leases += 1
+                    self._return_lease(lease_id)
+
+    # ------------------------------------------------------------------ submit
+    def submit(self, node: Node, lease_id: str, frames: list[Any], now: float) -> dict[str, list[str]]:
+        lease = self.leases.get(lease_id)
+        if lease is not None and lease.deadline < now:
+            self.counters.expired_leases += 1
+            self._return_lease(lease_id)
+            lease = None
+        if lease is None or lease.node_id != node.node_id:
+            self.counters.rejected_submissions += 1
+            raise ProtocolError(
+                LEASE_REJECTED,
+                f"lease {lease_id!r} is unknown or expired (its prompts went back to the queue); "
+                "drop these groups and lease again",
+            )
+        stored: list[StoredGroup] = []
+        for frame in frames:
+            info = inspect_group(frame)
+            pg = lease.pending.get(info.group_id)
+            if pg is None:
+                self.counters.rejected_submissions += 1
+                raise ProtocolError(
+                    LEASE_REJECTED, f"group {info.group_id!r} is not outstanding on lease {lease_id!r}"
+                )
+            if info.num_samples != pg.n:
+                raise ProtocolError(
+                    BAD_GROUP,
+                    f"group {info.group_id!r} has {info.num_samples} samples; submit whole groups of n={pg.n}",
+                )
+            if any(s.info.group_id == info.group_id for s in stored):
+                raise ProtocolError(BAD_GROUP, f"group {info.group_id!r} appears twice in one submission")
+            stored.append(StoredGroup(info, frame))
+        accepted, filtered = [], []
+        for s in stored:
+            gid = s.info.group_id
+            if self.cfg.dynamic_sampling and len(set(s.info.rewards)) == 1:
+                self._log(Kind.DROP, _pack({"id": gid, "reason": "filtered"}))
+                self.counters.filtered_groups += 1
+                filtered.append(gid)
+            else:
+                self._log(Kind.GROUP, s.frame.buffer if hasattr(s.frame, "buffer") else s.frame)
+                self._accept(s, now)
+                accepted.append(gid)
+            self.outstanding.pop(gid, None)
+            del lease.pending[gid]
+        if not lease.pending:
+            self._close_lease(lease)
+        return {"accepted": accepted, "filtered": filtered}
+
+    def _accept(self, s: StoredGroup, now: float | None) -> None:
+        self.buffer[s.info.group_id] = s
+        self.accepted_live += 1
+        c = self.counters
+        c.accepted_groups += 1
+        c.accepted_samples += s.info.num_samples
+        nbytes = len(s.frame)
+        c.accepted_bytes += nbytes
+        if now is not None:
+            self._recent.append((now, s.info.num_samples, nbytes))
+
+    # ----------------------------------------------------------------- version
+    def publish_version(self, version: int) -> None:
+        if version < 0:
+            raise ProtocolError(BAD_REQUEST, f"publish_version: version must be >= 0, got {version}")
+        if version != self.version:
+            self._log(Kind.VERSION, _pack({"version": version}))
+            self.version = version
+
+    # ----------------------------------------------------------------- batches
+    @property
+    def finished(self) -> bool:
+        """No more groups will ever arrive: the data is exhausted and nothing is in flight."""
+        return self.source.exhausted and not self.outstanding
+
+    def get_batch(self, after: int, num_groups: int | None) -> CutBatch | None:
+        """The batch ``after + 1`` if it was cut or can be cut now; None means wait."""
+        want = after + 1
+        if want in self.batches:
+            return self.batches[want]
+        if want <= self.consumed:
+            raise ProtocolError(
+                BAD_REQUEST, f"batch {want} was reported consumed; ask for batches after {self.consumed}"
+            )
+        if want != self.next_batch_id:
+            raise ProtocolError(
+                BAD_REQUEST,
+                f"batch {want} cannot be cut yet: batches are cut in order and the next is "
+                f"{self.next_batch_id} (pass after={self.next_batch_id - 1})",
+            )
+        n = num_groups or self.cfg.batch_groups
+        if n < 1:
+            raise ProtocolError(BAD_REQUEST, f"get_batch: num_groups must be >= 1, got {n}")
+        if self.cfg.staleness_policy == "drop":
+            self._drop_stale()
+        if len(self.buffer) < n and not (self.finished and self.buffer):
+            return None
+        batch = CutBatch(self.next_batch_id, list(self.buffer)[:n], self.version)
+        self._log(
+            Kind.BATCH, _pack({"batch_id": batch.batch_id, "ids": batch.group_ids, "version": self.version})
+        )
+        self._cut(batch)
+        return batch
+
+    def _drop_stale(self) -> None:
+        for gid, s in list(self.buffer.items()):
+            if st.too_stale(self.version, s.info.min_version, self.cfg.max_staleness):
+                self._log(Kind.DROP, _pack({"id": gid, "reason": "stale"}))
+                del self.buffer[gid]
+                self.accepted_live -= 1
+                self.counters.dropped_stale_groups += 1
+
+    def _cut(self, batch: CutBatch) -> None:
+        for gid in batch.group_ids:
+            stored = self.buffer.pop(gid)
+            self.batch_store[gid] = stored
+            self.histogram[st.staleness(batch.policy_version, stored.info.min_version)] += 1
+        self.batches[batch.batch_id] = batch
+        self.next_batch_id = batch.batch_id + 1
+        self.counters.batches_cut += 1
+
+    def frames_of(self, batch: CutBatch) -> list[Any]:
+        return [self.batch_store[g].frame for g in batch.group_ids]
+
+    def report_consumed(self, batch_id: int) -> None:
+        if batch_id >= self.next_batch_id:
+            raise ProtocolError(
+                BAD_REQUEST,
+                f"report_consumed: batch {batch_id} was never cut (next is {self.next_batch_id})",
+            )
+        if batch_id <= self.consumed:
+            return
+        self._log(Kind.CONSUMED, _pack({"batch_id": batch_id}))
+        self._forget_through(batch_id)
+
+    def _forget_through(self, batch_id: int) -> None:
+        for b in [b for b in self.batches if b <= batch_id]:
+            for gid in self.batches.pop(b).group_ids:
+                self.batch_store.pop(gid, None)
+        self.consumed = max(self.consumed, batch_id)
+
+    # -------------------------------------------------------------- compaction
+    def live_bytes(self) -> int:
+        return sum(len(s.frame) for s in (*self.buffer.values(), *self.batch_store.values()) if s)
+
+    def maybe_compact(self) -> bool:
+        j = self.journal
+        if j is None or j.bytes_written < self.cfg.journal.compact_every_bytes:
+            return False
+        if j.bytes_written < 2 * self.live_bytes():
+            return False  # mostly live data: compaction would not shrink the log
+        j.rewrite(self._snapshot_records())
+        return True
+
+    def _snapshot_records(self):
+        c = self.counters
+        snap = {
+            "cursor": [self.source.epoch, self.source.pos],
+            "outstanding": list(self.outstanding),
+            "accepted_live": self.accepted_live,
+            "version": self.version,
+            "consumed": self.consumed,
+            "next_batch_id": self.next_batch_id,
+            "batches": [[b.batch_id, b.group_ids, b.policy_version] for b in self.batches.values()],
+            "buffer": list(self.buffer),
+            "counters": c.__dict__,
+            "histogram": dict(self.histogram),
+        }
+        yield Kind.SNAPSHOT, _pack(snap)
+        for s in (*self.buffer.values(), *self.batch_store.values()):
+            yield Kind.RESTORE, s.frame.buffer if hasattr(s.frame, "buffer") else s.frame
+
+    def _load_snapshot(self, d: dict[str, Any]) -> None:
+        self.source.seek(*d["cursor"])
+        self.outstanding = dict.fromkeys(d["outstanding"])
+        self.accepted_live = d["accepted_live"]
+        self.version = d["version"]
+        self.consumed = d["consumed"]
+        self.next_batch_id = d["next_batch_id"]
+        self.batches = {b: CutBatch(b, ids, v) for b, ids, v in d["batches"]}
+        self.batch_store = {g: None for b in self.batches.values() for g in b.group_ids}
+        self.buffer = dict.fromkeys(d["buffer"])
+        self.counters = Counters(**d["counters"])
+        self.histogram = Counter({int(k): v for k, v in d["histogram"].items()})
+
+    # ------------------------------------------------------------------- stats
+    def throughput(self, now: float) -> dict[str, float]:
+        while self._recent and self._recent[0][0] < now - THROUGHPUT_WINDOW_S:
+            self._recent.popleft()
+        span = THROUGHPUT_WINDOW_S
+        return {
+            "window_s": span,
+            "groups_per_s": len(self._recent) / span,
+            "samples_per_s": sum(r[1] for r in self._recent) / span,
+            "bytes_per_s": sum(r[2] for r in self._recent) / span,
+        }
+
+    def stats(self, now: float | None = None) -> dict[str, Any]:
+        now = time.time() if now is None else now
+        cfg = self.cfg
+        return {
+            "policy_version": self.version,
+            "queue_depth": len(self.requeue) + self.source.remaining_in_epoch(),
+            "requeued": len(self.requeue),
+            "in_flight_groups": self.leased,
+            "leases": len(self.leases),
+            "buffered_groups": len(self.buffer),
+            "admission": {
+                "accepted": self.accepted_live,
+                "leased": self.leased,
+                "limit": st.admission_limit(self.version, cfg.max_staleness, cfg.batch_groups),
+                "capacity": self.capacity(),
+                "max_staleness": cfg.max_staleness,
+                "policy": cfg.staleness_policy,
+            },
+            "batches": {
+                "next": self.next_batch_id,
+                "consumed": self.consumed,
+                "held": len(self.batches),
+            },
+            "cursor": {"epoch": self.source.epoch, "pos": self.source.pos, "rows": len(self.source.rows)},
+            "exhausted": self.source.exhausted,
+            "finished": self.finished,
+            "counters": dict(self.counters.__dict__),
+            "staleness_histogram": {int(k): v for k, v in sorted(self.histogram.items())},
+            "throughput": self.throughput(now),
+            "nodes": {
+                n.node_id: {
+                    "role": n.role,
+                    "name": n.name,
+                    "alive": n.alive,
+                    "seen_s_ago": round(now - n.last_seen, 3),
+                    "leases": len(n.leases),
+                    "groups_in_flight": sum(len(self.leases[x].pending) for x in n.leases),
+                    "meta": n.meta,
+                }
+                for n in self.nodes.values()
+            },
+            "nodes_alive": sum(n.alive for n in self.nodes.values()),
+            "journal": {
+                "path": str(self.journal.path) if self.journal else None,
+                "bytes": self.journal.bytes_written if self.journal else 0,
+            },
+        }
