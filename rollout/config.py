@@ -80,6 +80,43 @@ class TaskConfig(BaseModel):
         return self
 
 
+class AgentConfig(BaseModel):
+    """The node agent's knobs: how much it leases, how it retries, how it stops."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_groups_per_lease: int = Field(4, ge=1, description="prompt groups asked for in one lease")
+    max_inflight_groups: int | None = Field(
+        None,
+        ge=1,
+        description="groups being sampled at once; None: enough to keep every engine at its concurrency "
+        "(ceil(concurrency * engines / group size) + 1)",
+    )
+    lease_poll_s: float = Field(0.2, gt=0, description="wait before asking again when no lease is admissible")
+    drain_timeout_s: float = Field(
+        30.0, ge=0, description="on SIGTERM: time to finish in-flight groups before releasing the rest"
+    )
+    max_retries: int = Field(3, ge=0, description="engine failures one sample survives (each resumes it)")
+    max_resumes: int = Field(64, ge=0, description="aborted segments one sample may resume (weight updates)")
+    resume_backoff_s: float = Field(0.05, gt=0, description="first wait after an abort that produced nothing")
+    request_timeout_s: float = Field(600.0, gt=0, description="one /generate call")
+    engine_start_timeout_s: float = Field(300.0, gt=0, description="an engine must answer within this")
+    engine_max_restarts: int = Field(5, ge=0, description="restarts of one crashed child engine")
+    broker_timeout_s: float = Field(30.0, gt=0, description="one broker call")
+    curve_secret_key_file: str | None = Field(
+        None, description="this node's ZeroMQ CURVE secret certificate (.key_secret); None: no CURVE"
+    )
+    curve_server_key_file: str | None = Field(None, description="the broker's public certificate (.key)")
+
+    @model_validator(mode="after")
+    def _check_curve(self) -> AgentConfig:
+        if (self.curve_secret_key_file is None) != (self.curve_server_key_file is None):
+            raise ValueError(
+                "CURVE needs both rollout.agent.curve_secret_key_file and rollout.agent.curve_server_key_file"
+            )
+        return self
+
+
 class RolloutConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -90,3 +127,9 @@ class RolloutConfig(BaseModel):
     update_mode: Literal["in_place", "abort"] = "in_place"
     heartbeat_s: float = Field(2.0, gt=0)
     sampling: SamplingConfig = SamplingConfig()
+    engine_urls: list[str] = Field(
+        default_factory=list,
+        description="engines already serving SGLang's HTTP protocol; empty: the node starts "
+        "engines_per_node engines of `engine` itself",
+    )
+    agent: AgentConfig = AgentConfig()

@@ -7,6 +7,7 @@ A verl row is ``{"data_source", "prompt", "ability", "reward_model": {"style", "
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -83,7 +84,7 @@ def write_records(path: str | Path, records: Iterable[dict[str, Any]]) -> int:
     path = Path(path)
     _check_suffix(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # unique: two nodes may prepare at once
     records = list(records)
     if path.suffix == ".parquet":
         import pyarrow as pa
