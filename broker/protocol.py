@@ -72,7 +72,7 @@ def error_body(code: str, message: str) -> dict[str, str]:
 def peek_id(raw: bytes | memoryview) -> int | None:
     """The request id of an envelope that failed validation, so the error reply can carry it."""
     try:
-        env = msgpack.unpackb(raw, raw=False, strict_map_key=False, max_buffer_size=1 << 20)
+        env = msgpack.unpackb(raw, raw=False, strict_map_key=False)
     except Exception:
         return None
     if isinstance(env, dict):

@@ -412,10 +412,9 @@ class BrokerState:
 
     def maybe_compact(self) -> bool:
         j = self.journal
-        if j is None or j.bytes_written < self.cfg.journal.compact_every_bytes:
+        # Compact once the dead part of the log (consumed groups, superseded records) reaches the threshold.
+        if j is None or j.bytes_written - self.live_bytes() < self.cfg.journal.compact_every_bytes:
             return False
-        if j.bytes_written < 2 * self.live_bytes():
-            return False  # mostly live data: compaction would not shrink the log
         j.rewrite(self._snapshot_records())
         return True
 

@@ -1,0 +1,300 @@
+"""The broker's bookkeeping (no sockets): leases, submissions, staleness, batches, journal replay."""
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as hs
+
+from tidal.broker.codec import encode_group
+from tidal.broker.config import BrokerConfig
+from tidal.broker.journal import Journal
+from tidal.broker.protocol import BAD_GROUP, BAD_REQUEST, LEASE_REJECTED, NOT_REGISTERED, ProtocolError
+from tidal.broker.source import PromptSource, load_rows
+from tidal.broker.state import BrokerState
+from tidal.broker.testing import fake_group, write_rows
+
+T0 = 1_000_000.0
+
+
+def make_state(tmp_path, rows=20, epochs=1, with_journal=True, **cfg):
+    settings_ = {"group_size": 2, "batch_groups": 2, "max_staleness": 1, "lease_timeout_s": 10.0} | cfg
+    config = BrokerConfig.model_validate(settings_)
+    data = tmp_path / "data.jsonl"
+    if not data.exists():
+        write_rows(data, rows)
+    source = PromptSource(load_rows(data), seed=0, shuffle=True, epochs=epochs)
+    j = Journal(tmp_path / "journal", fsync="never") if with_journal else None
+    state = BrokerState(config, source, j)
+    if j is not None:
+        state.replay(j.open())
+    return state
+
+
+def frames(lease, version=0, rewards=None):
+    return [encode_group(fake_group(pg, version=version, rewards=rewards)) for pg in lease.groups]
+
+
+def test_unregistered_peer_is_told_to_register(tmp_path):
+    state = make_state(tmp_path)
+    with pytest.raises(ProtocolError) as exc:
+        state.node_for(b"peer", T0)
+    assert exc.value.code == NOT_REGISTERED and "register" in exc.value.message
+
+
+def test_admission_follows_the_staleness_rule(tmp_path):
+    state = make_state(tmp_path, max_staleness=1, batch_groups=2)
+    node = state.register(b"a", "rollout", "a", {}, T0)
+    first = state.lease(node, 3, T0)
+    second = state.lease(node, 3, T0)
+    assert len(first.groups) == 3 and len(second.groups) == 1  # (eta + 0 + 1) * 2 = 4
+    assert state.lease(node, 1, T0) is None
+    state.submit(node, first.lease_id, frames(first), T0)
+    assert state.lease(node, 1, T0) is None  # accepted groups still count
+    state.publish_version(1)
+    assert len(state.lease(node, 5, T0).groups) == 2
+
+
+def test_eta_zero_is_synchronous(tmp_path):
+    state = make_state(tmp_path, max_staleness=0, batch_groups=2)
+    node = state.register(b"a", "rollout", "a", {}, T0)
+    for version in range(3):
+        lease = state.lease(node, 10, T0)
+        assert len(lease.groups) == 2 and state.lease(node, 1, T0) is None
+        state.submit(node, lease.lease_id, frames(lease, version=version), T0)
+        batch = state.get_batch(version - 1, None)
+        assert batch.batch_id == version and batch.policy_version == version
+        state.publish_version(version + 1)
+    assert state.histogram == {0: 6}
+
+
+def test_groups_may_come_back_in_several_submissions(tmp_path):
+    state = make_state(tmp_path)
+    node = state.register(b"a", "rollout", "a", {}, T0)
+    lease = state.lease(node, 3, T0)
+    fs = frames(lease)
+    assert state.submit(node, lease.lease_id, fs[:1], T0)["accepted"] == [lease.groups[0].group_id]
+    state.submit(node, lease.lease_id, fs[1:], T0)
+    assert lease.lease_id not in state.leases and len(state.buffer) == 3
+    with pytest.raises(ProtocolError) as exc:
+        state.submit(node, lease.lease_id, fs[:1], T0)
+    assert exc.value.code == LEASE_REJECTED
+
+
+def test_whole_groups_only_and_only_groups_of_the_lease(tmp_path):
+    state = make_state(tmp_path, group_size=3)
+    node = state.register(b"a", "rollout", "a", {}, T0)
+    lease = state.lease(node, 1, T0)
+    pg = lease.groups[0]
+    with pytest.raises(ProtocolError) as exc:
+        state.submit(node, lease.lease_id, [encode_group(fake_group(replace(pg, n=2)))], T0)
+    assert exc.value.code == BAD_GROUP and "n=3" in exc.value.message
+    with pytest.raises(ProtocolError) as exc:
+        state.submit(node, lease.lease_id, [encode_group(fake_group(replace(pg, group_id="9:9")))], T0)
+    assert exc.value.code == LEASE_REJECTED and "not outstanding" in exc.value.message
+    assert not state.buffer and state.leased == 1
+
+
+def test_expired_lease_is_refused_and_its_prompts_are_re_leased(tmp_path):
+    state = make_state(tmp_path, lease_timeout_s=5.0)
+    a = state.register(b"a", "rollout", "a", {}, T0)
+    b = state.register(b"b", "rollout", "b", {}, T0)
+    lease = state.lease(a, 2, T0)
+    state.heartbeat(a, T0 + 4)  # extends to T0 + 9
+    state.expire(T0 + 8)
+    assert lease.lease_id in state.leases
+    state.expire(T0 + 9.5)
+    assert state.counters.expired_leases == 1
+    again = state.lease(b, 2, T0 + 10)
+    assert [g.group_id for g in again.groups] == [g.group_id for g in lease.groups]
+    with pytest.raises(ProtocolError) as exc:
+        state.submit(a, lease.lease_id, frames(lease), T0 + 10)
+    assert exc.value.code == LEASE_REJECTED and "lease again" in exc.value.message
+    state.submit(b, again.lease_id, frames(again), T0 + 10)
+    assert list(state.buffer) == [g.group_id for g in lease.groups]
+
+
+def test_silent_node_loses_its_leases_release_and_leave_requeue(tmp_path):
+    state = make_state(tmp_path, node_timeout_s=3.0)
+    a = state.register(b"a", "rollout", "a", {}, T0)
+    b = state.register(b"b", "rollout", "b", {}, T0)
+    la = state.lease(a, 2, T0)
+    lb = state.lease(b, 2, T0)
+    state.node_for(b"b", T0 + 2.5)
+    state.expire(T0 + 3.5)
+    assert not state.nodes[a.node_id].alive and state.nodes[b.node_id].alive
+    assert list(state.requeue) == [g.group_id for g in la.groups]
+    assert state.release(b, lb.lease_id, [lb.groups[1].group_id]) == 1
+    assert state.requeue[0] == lb.groups[1].group_id
+    state.leave(b)
+    assert state.requeue[0] == lb.groups[0].group_id and not state.leases and b.node_id not in state.nodes
+
+
+def test_dynamic_sampling_filters_groups_with_equal_rewards(tmp_path):
+    state = make_state(tmp_path, dynamic_sampling=True)
+    node = state.register(b"a", "rollout", "a", {}, T0)
+    lease = state.lease(node, 2, T0)
+    fs = [
+        encode_group(fake_group(lease.groups[0], rewards=[1.0, 1.0])),
+        encode_group(fake_group(lease.groups[1], rewards=[1.0, 0.0])),
+    ]
+    out = state.submit(node, lease.lease_id, fs, T0)
+    assert out == {"accepted": [lease.groups[1].group_id], "filtered": [lease.groups[0].group_id]}
+    assert state.counters.filtered_groups == 1 and state.accepted_live == 1 and not state.outstanding
+
+
+@pytest.mark.parametrize("policy", ["drop", "keep"])
+def test_stale_groups_are_dropped_or_kept_and_counted(tmp_path, policy):
+    state = make_state(tmp_path, max_staleness=1, batch_groups=2, staleness_policy=policy)
+    node = state.register(b"a", "rollout", "a", {}, T0)
+    lease = state.lease(node, 4, T0)
+    state.publish_version(3)  # e.g. a trainer that restarted from a later checkpoint
+    fs = frames(lease, version=0)
+    fs[3] = encode_group(fake_group(lease.groups[3], version=2))
+    fs[2] = encode_group(fake_group(lease.groups[2], version=3))
+    state.submit(node, lease.lease_id, fs, T0)
+    batch = state.get_batch(-1, 2)
+    if policy == "drop":
+        assert batch.group_ids == [lease.groups[2].group_id, lease.groups[3].group_id]
+        assert state.counters.dropped_stale_groups == 2 and state.accepted_live == 2
+        assert state.histogram == {0: 1, 1: 1}
+    else:
+        assert batch.group_ids == [lease.groups[0].group_id, lease.groups[1].group_id]
+        assert state.counters.dropped_stale_groups == 0 and state.histogram == {3: 2}
+
+
+def test_batches_are_cut_in_order_and_given_again_until_consumed(tmp_path):
+    state = make_state(tmp_path, max_staleness=4)
+    node = state.register(b"a", "rollout", "a", {}, T0)
+    lease = state.lease(node, 5, T0)
+    state.submit(node, lease.lease_id, frames(lease), T0)
+    with pytest.raises(ProtocolError) as exc:
+        state.get_batch(1, None)
+    assert exc.value.code == BAD_REQUEST and "pass after=-1" in exc.value.message
+    b0 = state.get_batch(-1, None)
+    b1 = state.get_batch(0, None)
+    assert state.get_batch(-1, None) is b0 and b0.group_ids != b1.group_ids
+    assert state.get_batch(1, None) is None  # one group left, batches need two
+    state.report_consumed(0)
+    with pytest.raises(ProtocolError, match="was reported consumed"):
+        state.get_batch(-1, None)
+    with pytest.raises(ProtocolError, match="never cut"):
+        state.report_consumed(5)
+
+
+def test_last_partial_batch_when_the_data_is_exhausted(tmp_path):
+    state = make_state(tmp_path, rows=3, max_staleness=4)
+    node = state.register(b"a", "rollout", "a", {}, T0)
+    lease = state.lease(node, 10, T0)
+    assert len(lease.groups) == 3 and state.lease(node, 1, T0) is None
+    state.submit(node, lease.lease_id, frames(lease), T0)
+    assert len(state.get_batch(-1, None).group_ids) == 2
+    assert len(state.get_batch(0, None).group_ids) == 1 and state.finished
+
+
+def _summary(state):
+    return {
+        "buffer": list(state.buffer),
+        "batches": {b: (c.group_ids, c.policy_version) for b, c in state.batches.items()},
+        "requeue": sorted(state.requeue),
+        "version": state.version,
+        "consumed": state.consumed,
+        "next": state.next_batch_id,
+        "cursor": (state.source.epoch, state.source.pos),
+        "accepted_live": state.accepted_live,
+        "filtered": state.counters.filtered_groups,
+        "dropped": state.counters.dropped_stale_groups,
+    }
+
+
+def _busy_history(state):
+    a = state.register(b"a", "rollout", "a", {}, T0)
+    leases = [state.lease(a, 3, T0) for _ in range(3)]
+    state.submit(a, leases[0].lease_id, frames(leases[0]), T0)
+    state.submit(a, leases[1].lease_id, frames(leases[1])[:2], T0)
+    state.get_batch(-1, None)
+    state.publish_version(1)
+    state.get_batch(0, None)
+    state.report_consumed(0)
+    filtered = frames(leases[2], rewards=[0.0, 0.0])[:1]
+    state.cfg.dynamic_sampling = True
+    state.submit(a, leases[2].lease_id, filtered, T0)
+    return leases
+
+
+def test_replay_after_a_crash_restores_everything_and_requeues_leased_prompts(tmp_path):
+    state = make_state(tmp_path, max_staleness=3)
+    leases = _busy_history(state)
+    # no close(): the process dies here; what was written is in the file
+    again = make_state(tmp_path, max_staleness=3, dynamic_sampling=True)
+    want = _summary(state)
+    in_flight = sorted(g for lease in state.leases.values() for g in lease.pending)
+    assert in_flight == sorted([leases[1].groups[2].group_id, *[g.group_id for g in leases[2].groups[1:]]])
+    want["requeue"] = in_flight
+    assert _summary(again) == want
+
+
+def test_compaction_keeps_the_live_state_and_shrinks_the_log(tmp_path):
+    state = make_state(tmp_path, max_staleness=3, journal={"compact_every_bytes": 1})
+    _busy_history(state)
+    before = state.journal.bytes_written
+    assert state.maybe_compact() and state.journal.bytes_written < before
+    state.publish_version(2)
+    again = make_state(tmp_path, max_staleness=3, dynamic_sampling=True)
+    assert _summary(again) | {"requeue": None} == _summary(state) | {"requeue": None}
+    assert sorted(again.requeue) == sorted(g for lease in state.leases.values() for g in lease.pending)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    data=hs.data(),
+    eta=hs.integers(0, 3),
+    batch_groups=hs.integers(1, 4),
+    policy=hs.sampled_from(["drop", "keep"]),
+)
+def test_staleness_bound_holds_for_any_interleaving(tmp_path_factory, data, eta, batch_groups, policy):
+    """Random nodes lease, lag, submit late or never, expire; the trainer steps whenever it can."""
+    state = make_state(
+        tmp_path_factory.mktemp("s"),
+        rows=12,
+        epochs=2,
+        with_journal=False,
+        max_staleness=eta,
+        batch_groups=batch_groups,
+        staleness_policy=policy,
+        lease_timeout_s=5.0,
+        node_timeout_s=1e9,
+    )
+    nodes = [state.register(bytes([i]), "rollout", str(i), {}, T0) for i in range(3)]
+    held = []  # (node, lease, version the node saw when it leased)
+    trained: list[str] = []
+    now = T0
+    for _ in range(data.draw(hs.integers(20, 120))):
+        op = data.draw(hs.sampled_from(["lease", "submit", "submit", "tick", "train"]))
+        if op == "lease":
+            node = data.draw(hs.sampled_from(nodes))
+            lease = state.lease(node, data.draw(hs.integers(1, 5)), now)
+            if lease:
+                held.append((node, lease, state.version))
+        elif op == "submit" and held:
+            node, lease, seen = held.pop(data.draw(hs.integers(0, len(held) - 1)))
+            try:
+                state.submit(node, lease.lease_id, frames(lease, version=seen), now)
+            except ProtocolError as exc:
+                assert exc.code == LEASE_REJECTED
+        elif op == "tick":
+            now += data.draw(hs.sampled_from([0.5, 2.0, 6.0]))
+            state.expire(now)
+        elif op == "train":
+            batch = state.get_batch(state.next_batch_id - 1, None)
+            if batch:
+                trained += batch.group_ids
+                state.publish_version(batch.batch_id + 1)
+                state.report_consumed(batch.batch_id)
+        limit = (eta + state.version + 1) * batch_groups
+        assert state.leased + state.accepted_live <= limit
+    assert len(trained) == len(set(trained))
+    if policy == "drop":
+        assert all(s <= eta for s in state.histogram)
+    if eta == 0 and policy == "drop":
+        assert state.counters.dropped_stale_groups == 0
