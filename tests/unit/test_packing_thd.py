@@ -3,6 +3,8 @@
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tidal.broker.types import Group, Sample
 from tidal.trainer.config import LossConfig
@@ -208,3 +210,24 @@ def test_split_minibatches_keeps_whole_groups_in_order():
     assert [g for p in parts for g in p] == groups
     with pytest.raises(ValueError, match="minibatches_per_batch"):
         split_minibatches(groups, 8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 64), min_size=0, max_size=60),
+    dp_size=st.integers(1, 5),
+    pad_multiple=st.sampled_from([1, 2, 4]),
+    extra_budget=st.integers(0, 3),
+)
+def test_assignment_properties(lengths, dp_size, pad_multiple, extra_budget):
+    budget = 64 * (1 + extra_budget)
+    assignment = plan_assignment(lengths, dp_size=dp_size, max_tokens=budget, pad_multiple=pad_multiple)
+    padded = [-(-n // pad_multiple) * pad_multiple for n in lengths]
+    assert len(assignment) == dp_size
+    assert len({len(rank) for rank in assignment}) == 1  # equal micro-batch counts
+    assert sorted(i for rank in assignment for mb in rank for i in mb) == list(range(len(lengths)))
+    for rank in assignment:
+        for mb in rank:
+            assert sum(padded[i] for i in mb) <= budget
+    rank_tokens = [sum(padded[i] for mb in rank for i in mb) for rank in assignment]
+    assert max(rank_tokens) - min(rank_tokens) <= max(padded, default=0)
