@@ -2,7 +2,9 @@
 trainer. Both speak the protocol of docs/protocol.md over one ZeroMQ DEALER socket.
 
 A call that gets no reply within ``timeout_s`` raises :class:`BrokerTimeout` (the broker is down or
-unreachable, or CURVE refused this client's key: ZeroMQ then never completes the connection).
+unreachable, or CURVE refused this client's key: ZeroMQ then never completes the connection). Membership
+is not journaled: after a broker restart a registered client registers again by itself (its node id
+changes) and its old leases are refused with :class:`LeaseRejected`.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ class AsyncBrokerClient:
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
+        self._registration: dict[str, Any] | None = None
 
     async def _read_loop(self) -> None:
         while True:
@@ -99,6 +102,18 @@ class AsyncBrokerClient:
                 fut.set_result((type_, body, frames[1:]))
 
     async def _call(
+        self, type_: str, body: dict[str, Any], frames=(), timeout: float | None = None
+    ) -> tuple[dict[str, Any], list[Any]]:
+        try:
+            return await self._call_once(type_, body, frames, timeout)
+        except BrokerError as exc:
+            if exc.code != proto.NOT_REGISTERED or self._registration is None or type_ == "register":
+                raise
+        # The broker restarted (membership is not journaled): register again and retry once.
+        self.node_id = (await self._call_once("register", self._registration))[0]["node_id"]
+        return await self._call_once(type_, body, frames, timeout)
+
+    async def _call_once(
         self, type_: str, body: dict[str, Any], frames=(), timeout: float | None = None
     ) -> tuple[dict[str, Any], list[Any]]:
         if self._reader is None:
@@ -118,7 +133,8 @@ class AsyncBrokerClient:
         return rbody, rframes
 
     async def register(self, role: str, name: str, meta: dict | None = None) -> str:
-        body, _ = await self._call("register", {"role": role, "name": name, "meta": meta or {}})
+        self._registration = {"role": role, "name": name, "meta": meta or {}}
+        body, _ = await self._call("register", self._registration)
         self.node_id = body["node_id"]
         return self.node_id
 
@@ -158,7 +174,7 @@ class AsyncBrokerClient:
 
     async def leave(self) -> None:
         await self._call("leave", {})
-        self.node_id = None
+        self.node_id, self._registration = None, None
 
     async def close(self) -> None:
         if self._reader is not None:
@@ -186,8 +202,21 @@ class BrokerClient:
         self._ctx = zmq.Context()
         self._sock = _socket(self._ctx, address, curve)
         self._ids = itertools.count(1)
+        self._registration: dict[str, Any] | None = None
 
     def _call(
+        self, type_: str, body: dict[str, Any], frames=(), timeout: float | None = -1.0
+    ) -> tuple[dict[str, Any], list[Any]]:
+        try:
+            return self._call_once(type_, body, frames, timeout)
+        except BrokerError as exc:
+            if exc.code != proto.NOT_REGISTERED or self._registration is None or type_ == "register":
+                raise
+        # The broker restarted (membership is not journaled): register again and retry once.
+        self.node_id = self._call_once("register", self._registration)[0]["node_id"]
+        return self._call_once(type_, body, frames, timeout)
+
+    def _call_once(
         self, type_: str, body: dict[str, Any], frames=(), timeout: float | None = -1.0
     ) -> tuple[dict[str, Any], list[Any]]:
         timeout = self.timeout_s if timeout == -1.0 else timeout
@@ -208,7 +237,8 @@ class BrokerClient:
                 return rbody, reply[1:]
 
     def register(self, role: str, name: str, meta: dict | None = None) -> str:
-        body, _ = self._call("register", {"role": role, "name": name, "meta": meta or {}})
+        self._registration = {"role": role, "name": name, "meta": meta or {}}
+        body, _ = self._call("register", self._registration)
         self.node_id = body["node_id"]
         return self.node_id
 
@@ -253,7 +283,7 @@ class BrokerClient:
 
     def leave(self) -> None:
         self._call("leave", {})
-        self.node_id = None
+        self.node_id, self._registration = None, None
 
     def close(self) -> None:
         self._sock.close(0)

@@ -1,0 +1,182 @@
+"""Real processes on loopback: a rollout node SIGKILLed mid-lease, and the broker SIGKILLed mid-run."""
+
+import json
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+from tidal.broker.client import BrokerClient, BrokerTimeout, LeaseRejected
+from tidal.broker.testing import fake_group, start_broker
+from tidal.procs import free_port, kill_tree, spawn, stop, tail
+
+pytestmark = pytest.mark.slow
+
+# A rollout node that takes a lease, says which prompts it holds, and hangs (never heartbeats).
+HANGING_NODE = """
+import asyncio, json, sys
+from tidal.broker.client import AsyncBrokerClient
+
+async def main():
+    client = AsyncBrokerClient(sys.argv[1], timeout_s=10)
+    await client.register("rollout", "doomed")
+    lease = await client.lease(4)
+    print("LEASED " + json.dumps([g.group_id for g in lease.groups]), flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+def _wait_for_line(path, prefix, proc, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in path.read_text().splitlines() if path.exists() else []:
+            if line.startswith(prefix):
+                return line[len(prefix) :]
+        assert proc.poll() is None, f"process exited early:\n{tail(path)}"
+        time.sleep(0.05)
+    raise TimeoutError(f"no {prefix!r} line in {path}:\n{tail(path)}")
+
+
+def _drain(address, num_rows):
+    """A healthy node and a trainer in one loop: returns the trained group ids, batch by batch."""
+    trained: list[str] = []
+    with BrokerClient(address, timeout_s=10) as node, BrokerClient(address, timeout_s=10) as trainer:
+        node.register("rollout", "healthy")
+        trainer.register("trainer", "t")
+        after, deadline = -1, time.monotonic() + 60
+        while time.monotonic() < deadline:
+            lease = node.lease(3)
+            if lease is not None:
+                node.submit(lease.lease_id, [fake_group(pg) for pg in lease.groups])
+            batch = trainer.get_batch(after, timeout_s=0.2)
+            if batch is not None:
+                trained += [g.group_id for g in batch.groups]
+                trainer.publish_version(batch.batch_id + 1)
+                trainer.report_consumed(batch.batch_id)
+                after = batch.batch_id
+            elif trainer.stats()["finished"]:
+                return trained, trainer.stats()
+    raise TimeoutError(f"run did not finish; trained {len(trained)} of {num_rows}")
+
+
+def test_node_killed_mid_lease_loses_no_prompt(tmp_path):
+    proc, address = start_broker(
+        tmp_path, 12, group_size=2, batch_groups=4, max_staleness=4, lease_timeout_s=1.0, data={"epochs": 1}
+    )
+    node = None
+    try:
+        log = tmp_path / "node.log"
+        node = spawn([sys.executable, "-c", HANGING_NODE, address], log_path=log)
+        held = json.loads(_wait_for_line(log, "LEASED ", node))
+        assert len(held) == 4
+        kill_tree(node, signal.SIGKILL)
+        node.wait(10)
+        trained, stats = _drain(address, 12)
+        assert sorted(trained) == sorted(f"0:{i}" for i in range(12))  # every prompt, each once
+        assert set(held) <= set(trained)
+        assert stats["counters"]["expired_leases"] >= 1
+    finally:
+        if node is not None:
+            stop(node)
+        stop(proc)
+
+
+def test_broker_killed_and_restarted_loses_no_acknowledged_group_and_duplicates_none(tmp_path):
+    rows, port = 60, free_port()
+    settings = dict(group_size=2, batch_groups=3, max_staleness=100, lease_timeout_s=2.0, data={"epochs": 1})
+    proc, address = start_broker(tmp_path, rows, port=port, **settings)
+    acked: set[str] = set()
+    received: dict[int, list[str]] = {}
+    mismatches: list[int] = []
+    redelivered: list[int] = []
+    trainer_restart = threading.Event()
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def node_loop():
+        with BrokerClient(address, timeout_s=1.0) as c:
+            while not done.is_set():
+                try:
+                    if c.node_id is None:
+                        c.register("rollout", "n")
+                    lease = c.lease(2)
+                    if lease is None:
+                        if c.heartbeat()["finished"]:
+                            return
+                        time.sleep(0.02)
+                        continue
+                    time.sleep(0.01)  # "generation"
+                    c.submit(lease.lease_id, [fake_group(pg, response_len=16) for pg in lease.groups])
+                    acked.update(pg.group_id for pg in lease.groups)
+                except (BrokerTimeout, LeaseRejected):
+                    continue
+
+    def trainer_loop():
+        consumed, after = -1, -1
+        with BrokerClient(address, timeout_s=1.0) as c:
+            while not done.is_set():
+                if trainer_restart.is_set():
+                    trainer_restart.clear()
+                    after = consumed  # the trainer restarts from its last checkpoint
+                try:
+                    batch = c.get_batch(after, timeout_s=0.3)
+                    if batch is None:
+                        if c.stats()["finished"]:
+                            return
+                        continue
+                    ids = [g.group_id for g in batch.groups]
+                    if batch.batch_id in received:
+                        redelivered.append(batch.batch_id)
+                    if received.setdefault(batch.batch_id, ids) != ids:
+                        mismatches.append(batch.batch_id)
+                    c.publish_version(batch.batch_id + 1)
+                    if batch.batch_id >= 1:  # the checkpoint of the step before is durable now
+                        c.report_consumed(batch.batch_id - 1)
+                        consumed = batch.batch_id - 1
+                    after = batch.batch_id
+                    time.sleep(0.02)
+                except BrokerTimeout:
+                    after = consumed
+
+    def guarded(fn):
+        def run():
+            try:
+                fn()
+            except BaseException as exc:  # surfaced by the assertion below
+                errors.append(exc)
+
+        return run
+
+    threads = [threading.Thread(target=guarded(f), daemon=True) for f in (node_loop, trainer_loop)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while len(received) < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(received) >= 4, f"no progress before the crash:\n{tail(tmp_path / 'broker.log')}"
+        kill_tree(proc, signal.SIGKILL)
+        proc.wait(10)
+        acked_before_crash = set(acked)
+        time.sleep(0.5)
+        proc, _ = start_broker(tmp_path, rows, port=port, **settings)
+        trainer_restart.set()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), f"run did not finish:\n{tail(tmp_path / 'broker.log')}"
+        assert not errors, errors
+        assert redelivered, "the restarted trainer should have been given its unconsumed batch again"
+        assert not mismatches, f"batches {mismatches} changed between deliveries"
+        trained = [g for b in sorted(received) for g in received[b]]
+        assert sorted(received) == list(range(len(received)))
+        assert len(trained) == len(set(trained)), "a group was dispensed in two batches"
+        assert acked_before_crash <= set(trained) and acked <= set(trained)
+        assert sorted(trained) == sorted(f"0:{i}" for i in range(rows))
+        assert "journal" in tail(tmp_path / "broker.log", 200)
+    finally:
+        done.set()
+        stop(proc)
