@@ -1,0 +1,103 @@
+"""Start named processes, watch them, restart the ones that may be restarted, stop them all cleanly.
+
+The local launcher uses this to run the broker, rollout nodes and trainer as separate processes, the same
+entries a cluster would start by hand.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tidal.procs import spawn, stop, tail
+
+
+@dataclass
+class ProcessSpec:
+    name: str
+    cmd: list[str]
+    log: Path
+    env: dict[str, str] = field(default_factory=dict)
+    restart: bool = False  # restart when it dies (rollout nodes); otherwise its death stops the job
+    max_restarts: int = 3
+    expect_exit: bool = False  # a process that finishes on its own (the trainer) and whose exit 0 is success
+
+
+@dataclass
+class ProcessState:
+    spec: ProcessSpec
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+    exit_code: int | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class ProcessDied(RuntimeError):
+    """A process that may not be restarted died; the message names it and shows its last log lines."""
+
+
+class Supervisor:
+    def __init__(self, on_event: Callable[[str], None] | None = None) -> None:
+        self.states: dict[str, ProcessState] = {}
+        self.on_event = on_event or (lambda msg: None)
+
+    def start(self, spec: ProcessSpec) -> ProcessState:
+        state = self.states.get(spec.name) or ProcessState(spec)
+        state.proc = spawn(spec.cmd, spec.log, spec.env)
+        state.started_at = time.time()
+        state.exit_code = None
+        self.states[spec.name] = state
+        self.on_event(f"started {spec.name} (pid {state.proc.pid}), log {spec.log}")
+        return state
+
+    def poll(self) -> list[str]:
+        """Check every process; restart those allowed. Returns names of processes that finished with 0.
+
+        Raises ProcessDied for a process that died and may not be restarted (or ran out of restarts).
+        """
+        finished = []
+        for name, state in list(self.states.items()):
+            if state.proc is None or state.exit_code is not None:
+                continue
+            code = state.proc.poll()
+            if code is None:
+                continue
+            state.exit_code = code
+            if code == 0 and state.spec.expect_exit:
+                finished.append(name)
+                continue
+            last = tail(state.spec.log, 15)
+            if state.spec.restart and state.restarts < state.spec.max_restarts:
+                state.restarts += 1
+                self.on_event(
+                    f"{name} died with exit code {code}; restarting ({state.restarts}/{state.spec.max_restarts})"
+                )
+                self.start(state.spec)
+                continue
+            raise ProcessDied(f"{name} died with exit code {code}. Last lines of {state.spec.log}:\n{last}")
+        return finished
+
+    def stop_all(self, timeout_s: float = 15.0, order: list[str] | None = None) -> None:
+        names = order or list(reversed(self.states))
+        for name in names:
+            state = self.states.get(name)
+            if state and state.proc is not None and state.proc.poll() is None:
+                self.on_event(f"stopping {name}")
+                state.exit_code = stop(state.proc, timeout_s)
+
+    def health(self) -> dict[str, str]:
+        out = {}
+        for name, state in self.states.items():
+            if state.alive:
+                up = time.time() - state.started_at
+                out[name] = f"up {up:.0f}s" + (f", {state.restarts} restarts" if state.restarts else "")
+            else:
+                out[name] = f"exited {state.exit_code}"
+        return out
