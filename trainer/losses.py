@@ -105,7 +105,7 @@ def aggregate(
     - ``seq-mean-token-mean``: sum_s (sum_{t in s} m_t l_t / n_s) / N_seqs, with n_s the sequence's loss
       tokens (``seq_token_counts``, whole-sequence counts under CP; defaults to the sums of ``mask``).
     """
-    masked = per_token * mask
+    masked = torch.where(mask > 0, per_token, 0.0) * mask  # an inf off the mask must not become NaN
     if mode == "token-mean":
         return masked.sum() / max(normalizer.tokens, 1.0)
     if mode == "seq-mean-token-sum":
@@ -232,7 +232,9 @@ def grpo_loss(
     anchor = behaviour if proximal is None else proximal
 
     # PPO clipped surrogate, DAPO's asymmetric clip, and the dual clip for negative advantages.
-    ratio = torch.exp(logprobs - anchor)
+    # Log-ratios are zeroed off the loss mask: prompt and padding logprobs can be extreme, and an inf
+    # there would turn into NaN through 0 * inf in the backward pass. On loss tokens x * 1 == x exactly.
+    ratio = torch.exp((logprobs - anchor) * mask)
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - config.clip_ratio_low, 1.0 + config.clip_ratio_high)
     per_token = torch.maximum(unclipped, clipped)
@@ -245,7 +247,7 @@ def grpo_loss(
 
     keep = torch.ones_like(mask)
     if proximal is not None:
-        log_w = proximal - behaviour  # log pi_prox / mu, detached
+        log_w = (proximal - behaviour) * mask  # log pi_prox / mu, detached
         token_w = torch.exp(log_w)
         if config.icepop is not None:
             low, high = config.icepop
@@ -302,7 +304,8 @@ def grpo_loss(
     stats.add_sum("loss/pg", pg_loss)
 
     if ref_logprobs is not None:
-        kl = kl_penalty(logprobs, ref_logprobs.to(logprobs.dtype), config.kl_estimator, config.kl_clamp)
+        ref = torch.where(mask > 0, ref_logprobs.to(logprobs.dtype), logprobs.detach())  # finite off the mask
+        kl = kl_penalty(logprobs, ref, config.kl_estimator, config.kl_clamp)
         kl_loss = aggregate(kl, effective, cu_seqlens, config.agg, normalizer, seq_token_counts=seq_counts)
         stats.add_sum("loss/kl", kl_loss)
         if config.kl_coef > 0:

@@ -174,3 +174,26 @@ def test_sft_nll_by_hand():
 def test_unknown_aggregation_is_named():
     with pytest.raises(ValueError, match="unknown loss aggregation 'mean'"):
         aggregate(torch.ones(2), torch.ones(2), torch.tensor([0, 2]), "mean", Normalizer(2, 1))
+
+
+def test_extreme_logprobs_off_the_mask_do_not_poison_the_loss():
+    # Prompt / padding positions (mask 0) may carry any logprob; a ratio of e^200 there must not turn into
+    # inf * 0 = NaN in the loss or the gradient.
+    logprobs = current_logprobs().detach().clone()
+    logprobs[0] = 200.0
+    logprobs.requires_grad_(True)
+    proximal = BEHAVIOUR.clone()
+    proximal[0] = -1e4
+    ref = BEHAVIOUR.clone()
+    ref[0] = -1e4
+    config = LossConfig(agg="seq-mean-token-mean", tis="sequence", kl_coef=0.1)
+    result = grpo_loss(
+        logprobs, BEHAVIOUR, ADV, MASK, CU, NORM, config, proximal_logprobs=proximal, ref_logprobs=ref
+    )
+    result.loss.backward()
+    assert torch.isfinite(result.loss) and bool(torch.isfinite(logprobs.grad).all())
+    assert logprobs.grad[0] == 0
+    sft = sft_loss(
+        torch.tensor([-math.inf, -1.0]), torch.tensor([0, 1]), torch.tensor([0, 2]), Normalizer(1, 1)
+    )
+    assert sft.loss.item() == 1.0
