@@ -275,11 +275,14 @@ def grpo_loss(
         stats.add_mean("offpolicy/is_weight_mean", (weight * mask).sum(), n_tokens)
         stats.add_max("offpolicy/is_weight_max", _masked_max(weight, mask))
         stats.add_min("offpolicy/is_weight_min", -_masked_max(-weight, mask))
-        stats.add_mean("offpolicy/mismatch_kl_k1", (-log_w * mask).sum(), n_tokens)
-        mismatch_k3 = token_w - 1.0 - log_w
-        stats.add_mean("offpolicy/mismatch_kl_k3", (mismatch_k3 * mask).sum(), n_tokens)
     else:
-        mismatch_k3 = None
+        # Not used by the loss, only reported: the engine/trainer mismatch against the current policy (on a
+        # batch's first minibatch step that is the trainer's view of the same weights).
+        log_w = (logprobs.detach() - behaviour) * mask
+        token_w = torch.exp(log_w)
+    stats.add_mean("offpolicy/mismatch_kl_k1", (-log_w * mask).sum(), n_tokens)
+    mismatch_k3 = token_w - 1.0 - log_w
+    stats.add_mean("offpolicy/mismatch_kl_k3", (mismatch_k3 * mask).sum(), n_tokens)
 
     # Off-policy sequence masks: too stale, or too far from the trainer's policy.
     seq_drop = torch.zeros_like(seq_counts, dtype=torch.bool)

@@ -158,3 +158,17 @@ def test_eta_zero_reduces_exactly_to_on_policy_grpo(config):
     # float32 summation order is the same, so the match is exact, not approximate.
     assert torch.equal(result.loss.detach(), expected.detach())
     assert torch.equal(grad, expected_grad)
+
+
+def test_mismatch_kl_is_reported_without_any_correction():
+    # Plain GRPO: the current policy (= PROXIMAL here) against the behaviour policy, a statistic only.
+    _, result = loss_with(LossConfig(), proximal=None)
+    w = [3.0, 0.5, 1.0, 4.0]
+    stats = result.stats.summary()
+    assert stats["offpolicy/mismatch_kl_k1"] == pytest.approx(-sum(math.log(x) for x in w) / 4)
+    assert stats["offpolicy/mismatch_kl_k3"] == pytest.approx(sum(x - 1 - math.log(x) for x in w) / 4)
+    assert "offpolicy/is_weight_mean" not in stats
+    # and the loss is plain GRPO with ratio pi / mu = w: max(-A r, -A clip(r, 0.8, 1.2)) per token
+    #   A=+1, r=3: max(-3, -1.2) = -1.2    A=+1, r=0.5: max(-0.5, -0.8) = -0.5
+    #   A=-1, r=1: 1                       A=-1, r=4:   max(4, 1.2) = 4
+    assert result.loss.item() == pytest.approx((-1.2 - 0.5 + 1.0 + 4.0) / 4, rel=1e-12)
