@@ -161,6 +161,24 @@ def needs_trainer_logprobs(config: LossConfig) -> bool:
     return config.tis != "off" or config.icepop is not None or config.offpolicy_max_kl is not None
 
 
+def check_loss_setup(config: LossConfig, minibatches_per_batch: int) -> None:
+    """Fail early on a combination the loss cannot honour exactly; call before training starts.
+
+    Without recomputed proximal logprobs the corrections use the current policy as pi_prox, which is only
+    the batch's starting policy on its first minibatch step.
+    """
+    if (
+        needs_trainer_logprobs(config)
+        and minibatches_per_batch > 1
+        and not config.recompute_proximal_logprobs
+    ):
+        raise ValueError(
+            f"trainer.loss: tis={config.tis!r} / icepop / offpolicy_max_kl with "
+            f"trainer.minibatches_per_batch={minibatches_per_batch} need the batch's proximal logprobs; "
+            "set trainer.loss.recompute_proximal_logprobs=true (or minibatches_per_batch=1)"
+        )
+
+
 # ----------------------------------------------------------------------------------------------- losses
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tidal.trainer.config import LossConfig
-from tidal.trainer.losses import Normalizer, grpo_loss
+from tidal.trainer.losses import Normalizer, check_loss_setup, grpo_loss
 
 CU = torch.tensor([0, 2, 4], dtype=torch.int32)
 MASK = torch.ones(4)
@@ -172,3 +172,11 @@ def test_mismatch_kl_is_reported_without_any_correction():
     #   A=+1, r=3: max(-3, -1.2) = -1.2    A=+1, r=0.5: max(-0.5, -0.8) = -0.5
     #   A=-1, r=1: 1                       A=-1, r=4:   max(4, 1.2) = 4
     assert result.loss.item() == pytest.approx((-1.2 - 0.5 + 1.0 + 4.0) / 4, rel=1e-12)
+
+
+def test_corrections_over_several_minibatches_need_recomputed_proximal_logprobs():
+    check_loss_setup(LossConfig(tis="token"), minibatches_per_batch=1)
+    check_loss_setup(LossConfig(tis="token", recompute_proximal_logprobs=True), minibatches_per_batch=4)
+    check_loss_setup(LossConfig(), minibatches_per_batch=4)  # plain GRPO anchors on mu: fine
+    with pytest.raises(ValueError, match="set trainer.loss.recompute_proximal_logprobs=true"):
+        check_loss_setup(LossConfig(icepop=(0.5, 5.0)), minibatches_per_batch=2)
