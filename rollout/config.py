@@ -26,6 +26,13 @@ class EmbeddedEngineConfig(BaseModel):
     max_batch_size: int = Field(64, ge=1)
     max_seq_len: int = Field(512, ge=8)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_prefill_tokens: int = Field(
+        4096, ge=1, description="prompt tokens admitted per prefill step (at least one request always)"
+    )
+    weight_update_timeout_s: float = Field(
+        120.0, gt=0, description="collective timeout of weight-update groups joined by the engine"
+    )
+    served_model_name: str | None = Field(None, description="name reported by /model_info; None: the path")
 
 
 class SGLangEngineConfig(BaseModel):

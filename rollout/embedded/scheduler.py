@@ -1,0 +1,335 @@
+"""Continuous batching: one scheduler thread owns the model and the KV pool and runs step after step.
+
+Each step is either a prefill of waiting requests (they join the running batch) or one decode token for
+every running request, as SGLang's default scheduler does. Everything that touches the model or the
+requests (abort, pause, weight loads, version changes) runs on that thread between steps, submitted
+through :meth:`Scheduler.call`, so the HTTP event loop never blocks on a forward pass.
+
+Pause modes (SGLang's): ``abort`` finishes every request with an abort reason; ``retract`` frees their KV
+slots and puts them back in the queue (prompt + output so far is prefilled again on resume);
+``in_place`` keeps them as they are. New requests wait while paused. A weight load while not paused
+waits until the running batch has drained (SGLang's writer lock), admitting nothing new meanwhile.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import traceback
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tidal.rollout.embedded.kv_cache import KVPool, StepBatch, StepCache
+from tidal.rollout.embedded.sampling import SamplingParams, sample
+
+DEFAULT_VERSION = "default"
+
+
+@dataclass
+class Request:
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    on_done: Callable[[Request], None] | None = None
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    # (version that produced tokens up to here, number of output tokens at the change), as SGLang records
+    version_events: list[tuple[str, int]] = field(default_factory=list)
+    version_spans: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    weight_version: str = DEFAULT_VERSION
+    slot: int | None = None
+    cached_len: int = 0
+    generator: torch.Generator | None = None
+    retractions: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+
+def version_spans(events: list[tuple[str, int]], current: str, n_out: int) -> list[dict[str, Any]]:
+    """Contiguous ``{version, start, end}`` spans over output token indices (end exclusive), SGLang's shape."""
+    spans: list[dict[str, Any]] = []
+    for version, end in [*events, (current, n_out)]:
+        end = min(end, n_out)
+        if spans and end <= spans[-1]["end"]:
+            continue
+        if spans and version == spans[-1]["version"]:
+            spans[-1]["end"] = end
+            continue
+        spans.append({"version": version, "start": spans[-1]["end"] if spans else 0, "end": end})
+    return spans
+
+
+class Scheduler:
+    def __init__(
+        self,
+        lm: torch.nn.Module,
+        *,
+        max_batch_size: int,
+        max_seq_len: int,
+        max_prefill_tokens: int,
+        device: str,
+        eos_token_ids: list[int],
+        seed: int = 0,
+    ):
+        self.lm = lm
+        self.decoder = lm.get_decoder()
+        self.lm_head = lm.get_output_embeddings()
+        self.device = torch.device(device)
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.max_prefill_tokens = max_prefill_tokens
+        self.vocab_size = lm.config.vocab_size
+        self.eos_token_ids = set(eos_token_ids)
+        self.pool = KVPool(lm.config.num_hidden_layers, max_batch_size, max_seq_len, self.device)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.paused: str | None = None
+        self.weight_version = DEFAULT_VERSION
+        self._drain_calls: list[tuple[Callable[[], Any], Future]] = []
+        self._calls: collections.deque[tuple[Callable[[], Any], Future]] = collections.deque()
+        self._cond = threading.Condition()
+        self._stop = False
+        self._error: BaseException | None = None
+        torch.manual_seed(seed)
+        self.steps = 0
+        self._thread = threading.Thread(target=self._loop, name="tidal-engine-scheduler", daemon=True)
+
+    # ---- called from other threads ----
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    def submit(self, req: Request) -> None:
+        if req.params.sampling_seed is not None:
+            req.generator = torch.Generator(device=self.device).manual_seed(req.params.sampling_seed)
+        with self._cond:
+            self.waiting.append(req)
+            self._cond.notify_all()
+
+    def call(self, fn: Callable[[], Any], *, drain: bool = False) -> Future:
+        """Run ``fn`` on the scheduler thread between steps .
+
+        With ``drain``, ``fn`` waits until no request is running, or runs at once while paused.
+        """
+        fut: Future = Future()
+        with self._cond:
+            if self._error is not None:
+                fut.set_exception(RuntimeError(f"engine scheduler died: {self._error!r}"))
+                return fut
+            (self._drain_calls if drain else self._calls).append((fn, fut))
+            self._cond.notify_all()
+        return fut
+
+    # ---- scheduler thread ----
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._stop and not self._has_work():
+                        self._cond.wait()
+                    if self._stop:
+                        return
+                    calls = list(self._calls)
+                    self._calls.clear()
+                for fn, fut in calls:
+                    _run_call(fn, fut)
+                if self._drain_calls and (not self.running or self.paused is not None):
+                    with self._cond:
+                        drained = list(self._drain_calls)
+                        self._drain_calls.clear()
+                    for fn, fut in drained:
+                        _run_call(fn, fut)
+                    continue
+                if self.paused is not None:
+                    continue
+                with torch.inference_mode():
+                    if self.waiting and self.pool.free_slots and not self._drain_calls:
+                        self._prefill()
+                    elif self.running:
+                        self._decode()
+        except BaseException as exc:  # noqa: BLE001 - reported to every waiter, then the server reports unhealthy
+            self._error = exc
+            traceback.print_exc()
+            self._fail_all(exc)
+
+    def _has_work(self) -> bool:
+        if self._calls or (self._drain_calls and (not self.running or self.paused is not None)):
+            return True
+        if self.paused is not None:
+            return False
+        admit = self.waiting and self.pool.free_slots and not self._drain_calls
+        return bool(admit or self.running)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._cond:
+            pending = list(self._calls) + list(self._drain_calls)
+            self._calls.clear()
+            self._drain_calls.clear()
+            reqs = self.running + list(self.waiting)
+            self.running, self.waiting = [], collections.deque()
+        for _, fut in pending:
+            fut.set_exception(RuntimeError(f"engine scheduler died: {exc!r}"))
+        for req in reqs:
+            self._finish(req, {"type": "abort", "message": f"engine error: {exc!r}", "status_code": 500})
+
+    def _forward(self, batch: StepBatch, ids: torch.Tensor) -> torch.Tensor:
+        out = self.decoder(
+            input_ids=ids,
+            position_ids=batch.position_ids,
+            cache=StepCache(self.pool, batch),
+            use_cache=False,
+            tidal_step=batch,
+        )
+        hidden = out.last_hidden_state[torch.arange(batch.rows, device=self.device), batch.last_index]
+        return self.lm_head(hidden)
+
+    def _prefill(self) -> None:
+        chosen: list[Request] = []
+        tokens = 0
+        with self._cond:
+            while self.waiting and len(chosen) < self.pool.free_slots:
+                n = len(self.waiting[0].all_ids)
+                if chosen and tokens + n > self.max_prefill_tokens:
+                    break
+                chosen.append(self.waiting.popleft())
+                tokens += n
+        for req in chosen:
+            req.slot = self.pool.allocate()
+        chosen.sort(key=lambda r: r.slot)
+        seqs = [r.all_ids for r in chosen]
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        for row, s in enumerate(seqs):
+            ids[row, : len(s)] = torch.tensor(s, dtype=torch.long)
+        batch = StepBatch([r.slot for r in chosen], [0] * len(chosen), [len(s) for s in seqs], self.device)
+        logits = self._forward(batch, ids.to(self.device))
+        for req, s in zip(chosen, seqs, strict=True):
+            req.cached_len = len(s)
+        self.running.extend(chosen)
+        self.running.sort(key=lambda r: r.slot)
+        self._emit(chosen, logits)
+
+    def _decode(self) -> None:
+        reqs = self.running
+        batch = StepBatch([r.slot for r in reqs], [r.cached_len for r in reqs], [1] * len(reqs), self.device)
+        ids = torch.tensor([[r.output_ids[-1]] for r in reqs], dtype=torch.long, device=self.device)
+        logits = self._forward(batch, ids)
+        for r in reqs:
+            r.cached_len += 1
+        self._emit(reqs, logits)
+
+    def _emit(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        self.steps += 1
+        tokens, logprobs = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        done = []
+        for req, tok, lp in zip(reqs, tokens.tolist(), logprobs.tolist(), strict=True):
+            req.output_ids.append(tok)
+            req.output_logprobs.append(lp)
+            reason = self._finish_reason(req, tok)
+            if reason is not None:
+                done.append((req, reason))
+        for req, reason in done:
+            self._finish(req, reason)
+
+    def _finish_reason(self, req: Request, tok: int) -> dict[str, Any] | None:
+        p = req.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+            return {"type": "stop", "matched": tok}
+        if len(req.output_ids) >= p.max_new_tokens:
+            return {"type": "length", "length": p.max_new_tokens}
+        if len(req.input_ids) + len(req.output_ids) >= self.max_seq_len:
+            return {"type": "length", "length": len(req.output_ids)}
+        return None
+
+    def _release(self, req: Request) -> None:
+        if req.slot is not None:
+            self.pool.release(req.slot)
+            req.slot = None
+        req.cached_len = 0
+
+    def _finish(self, req: Request, reason: dict[str, Any]) -> None:
+        self._release(req)
+        if req in self.running:
+            self.running.remove(req)
+        req.finish_reason = reason
+        req.weight_version = self.weight_version
+        req.version_spans = version_spans(req.version_events, self.weight_version, len(req.output_ids))
+        if req.on_done is not None:
+            req.on_done(req)
+
+    # ---- operations run through call() ----
+
+    def finish_without_running(self, req: Request) -> None:
+        """A request that asks for no new tokens (max_new_tokens=0) finishes at once, as in SGLang."""
+        self._finish(req, {"type": "length", "length": 0})
+
+    def abort(self, rid: str | None, abort_all: bool, message: str = "Aborted by /abort_request.") -> int:
+        with self._cond:
+            victims = [r for r in [*self.running, *self.waiting] if abort_all or r.rid == rid]
+            self.waiting = collections.deque(r for r in self.waiting if r not in victims)
+        for req in victims:
+            self._finish(req, {"type": "abort", "message": message, "status_code": 200})
+        return len(victims)
+
+    def pause(self, mode: str) -> None:
+        if mode == "abort":
+            self.abort(None, True, message="Aborted by /pause_generation (mode=abort).")
+        elif mode == "retract":
+            for req in reversed(self.running):
+                self._release(req)
+                req.retractions += 1
+                self.waiting.appendleft(req)
+            self.running = []
+        self.paused = mode
+
+    def resume(self) -> None:
+        self.paused = None
+
+    def set_version(self, version: str) -> None:
+        if version == self.weight_version:
+            return
+        for req in [*self.running, *self.waiting]:
+            if req.output_ids:
+                req.version_events.append((self.weight_version, len(req.output_ids)))
+        self.weight_version = version
+
+    def idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "paused": self.paused,
+            "steps": self.steps,
+            "free_slots": self.pool.free_slots,
+        }
+
+
+def _run_call(fn: Callable[[], Any], fut: Future) -> None:
+    if not fut.set_running_or_notify_cancel():
+        return
+    try:
+        fut.set_result(fn())
+    except Exception as exc:  # noqa: BLE001 - handed to the caller
+        fut.set_exception(exc)
