@@ -1,0 +1,449 @@
+"""Per-GPU memory of the trainer: parameters, gradients, optimizer state and activations, per stage.
+
+The model is counted layer by layer from :class:`ModelConfig` (so hybrid stacks, dense leading layers and
+DeepSeek-V4's per-layer attention kinds are each counted as they are), then placed on the mesh:
+
+- dense parameters (attention, norms, dense MLPs, shared experts, routers, embeddings) are split over TP;
+- routed experts are split over EP (whole experts) and ETP (each expert's matrices);
+- pipeline stages hold the layers that megatron-core's split gives them, the first the embedding, the last
+  the output layer and the loss;
+- optimizer state is sharded over the data-parallel ranks that hold the same weights: dp*cp for dense
+  parameters, edp for experts.
+
+Bytes per parameter (bf16 training with fp32 master weights, Adam):
+
+=========  ===============  ================  ===========================================
+optimizer  weights          gradients         optimizer state
+=========  ===============  ================  ===========================================
+dist_opt   2 (bf16)         4 (fp32 buffer)   12 / shard (fp32 master + 2 Adam moments)
+fsdp2      4 / shard (fp32)  4 / shard (fp32)  8 / shard (2 Adam moments)
+           + bf16 weights and fp32 gradients of 2 layers unsharded (current and prefetched)
+=========  ===============  ================  ===========================================
+
+Activations are the tensors each module keeps for backward, per token, in bf16 (softmax statistics and
+router logits in fp32), with flash attention (no s^2 term), sequence parallel when tp > 1, balanced
+routing, and the pipeline's in-flight micro-batches (1F1B: stage r holds pp - r; interleaved: megatron's
+warm-up count). Full recompute keeps each layer's input and one layer's activations. The last stage also
+holds the logits of one micro-batch (bf16 output + fp32 softmax over vocab/tp).
+
+The estimate is checked against measured peak memory through :func:`compare_with_measured`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from tidal.model_config import ModelConfig
+from tidal.trainer.mesh import MeshConfig
+
+GiB = 1 << 30
+BF16 = 2
+FP32 = 4
+OptimizerKind = Literal["dist_opt", "fsdp2"]
+# fp32 master weights + fp32 Adam moments
+DIST_OPT_SHARDED_BYTES = 12
+# fp32 Adam moments (FSDP also shards the fp32 master weights and gradients)
+ADAM_MOMENTS_BYTES = 8
+# layers whose unsharded bf16 parameters and fp32 gradients FSDP keeps at once (current + prefetched)
+FSDP_UNSHARDED_LAYERS = 2
+
+
+@dataclass(frozen=True)
+class LayerCount:
+    """Parameters of one decoder layer, and bytes it keeps for backward per token."""
+
+    dense_params: int  # split over TP
+    expert_params: int  # routed experts; split over EP x ETP
+    dense_act: float  # bytes per token, split over TP (sequence parallel)
+    expert_act: float  # bytes per token in the routed experts, split over ETP
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """A resolved mesh: every degree, and the layers of each pipeline rank."""
+
+    world: int
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    ep: int
+    etp: int
+    edp: int
+    vpp: int
+    stage_layers: tuple[tuple[int, ...], ...]  # layer indices held by each pipeline rank
+
+
+@dataclass
+class StageMemory:
+    stage: int
+    layers: tuple[int, ...]
+    dense_params: int  # on this GPU
+    expert_params: int  # on this GPU
+    weights: float  # bytes
+    grads: float
+    optimizer: float
+    activations: float  # without recompute
+    activations_recompute: float  # with full recompute
+    logits: float
+    in_flight: float  # micro-batches whose activations this stage holds at its peak
+
+    @property
+    def static(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.static + self.activations + self.logits
+
+    @property
+    def total_recompute(self) -> float:
+        return self.static + self.activations_recompute + self.logits
+
+
+@dataclass
+class Estimate:
+    optimizer: OptimizerKind
+    tokens: int  # per micro-batch, before CP
+    stages: list[StageMemory] = field(default_factory=list)
+
+    @property
+    def peak(self) -> StageMemory:
+        return max(self.stages, key=lambda s: s.total)
+
+    @property
+    def peak_recompute(self) -> StageMemory:
+        return max(self.stages, key=lambda s: s.total_recompute)
+
+
+# --------------------------------------------------------------------------------------------------
+# parameters
+
+
+def _attention_params(m: ModelConfig, kind: str) -> int:
+    h, nh = m.hidden_size, m.num_attention_heads
+    if kind in ("gqa", "gated_gqa"):
+        q_out = nh * m.head_dim * (2 if kind == "gated_gqa" else 1)
+        kv = 2 * h * m.num_key_value_heads * m.head_dim
+        return h * q_out + kv + nh * m.head_dim * h + 2 * m.head_dim  # + q_norm, k_norm
+    if kind == "gdn":
+        key_dim = m.linear_num_key_heads * m.linear_key_head_dim
+        value_dim = m.linear_num_value_heads * m.linear_value_head_dim
+        conv_dim = 2 * key_dim + value_dim
+        nv = m.linear_num_value_heads
+        in_proj = h * (conv_dim + value_dim + 2 * nv)  # qkv, z, b, a
+        return (
+            in_proj + conv_dim * m.linear_conv_kernel_dim + 2 * nv + m.linear_value_head_dim + value_dim * h
+        )
+    if kind in ("mla", "mla_dsa"):
+        qk_head = m.qk_nope_head_dim + m.qk_rope_head_dim
+        if m.q_lora_rank:
+            q = h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * nh * qk_head
+        else:
+            q = h * nh * qk_head
+        kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+        kv += m.kv_lora_rank * nh * (m.qk_nope_head_dim + m.v_head_dim)
+        params = q + kv + nh * m.v_head_dim * h
+        if kind == "mla_dsa":
+            params += _indexer_params(m) + h * m.index_head_dim + 2 * m.index_head_dim  # wk, k_norm
+        return params
+    if kind.startswith("v4_r"):
+        return _v4_attention_params(m, int(kind.removeprefix("v4_r")))
+    raise ValueError(f"unknown attention kind {kind!r}")
+
+
+def _indexer_params(m: ModelConfig) -> int:
+    """The DSA indexer's query projection (from the q latent) and per-head weights."""
+    return (m.q_lora_rank or 0) * m.index_n_heads * m.index_head_dim + m.hidden_size * m.index_n_heads
+
+
+def _v4_attention_params(m: ModelConfig, ratio: int) -> int:
+    h, nh, d, q = m.hidden_size, m.num_attention_heads, m.head_dim, m.q_lora_rank or 0
+    params = h * q + q + q * nh * d  # q down, q norm, q up
+    params += h * d + d  # one shared KV head and its norm
+    params += m.o_lora_rank * nh * d + h * m.o_groups * m.o_lora_rank  # grouped output projection
+    params += nh  # attention sinks
+    if ratio:
+        width = (2 if ratio == 4 else 1) * d  # CSA compresses overlapping windows
+        params += 2 * h * width + ratio * width + d  # kv and gate projections, positions, norm
+    if ratio == 4:
+        iw = 2 * m.index_head_dim
+        params += 2 * h * iw + ratio * iw + m.index_head_dim + _indexer_params(m)
+    return params
+
+
+def _mlp_params(m: ModelConfig, layer: int) -> tuple[int, int]:
+    """(dense, routed expert) parameters of a layer's MLP."""
+    h = m.hidden_size
+    if not m.is_moe_layer(layer):
+        return 3 * h * m.intermediate_size, 0
+    experts = m.num_experts * 3 * h * m.moe_intermediate_size
+    router = m.num_experts * h
+    if m.family == "qwen3_5_moe":
+        return router + 3 * h * m.shared_expert_intermediate_size + h, experts  # + shared expert gate
+    return router + m.n_shared_experts * 3 * h * m.moe_intermediate_size, experts
+
+
+def _hyper_connection_params(m: ModelConfig) -> int:
+    """DeepSeek-V4's mHC mixing, per sublayer: (m^2 + 2m) x (m * hidden) weights, biases and 3 scales."""
+    n = m.hc_mult
+    mix = n * n + 2 * n
+    return mix * n * m.hidden_size + mix + 3
+
+
+def layer_params(m: ModelConfig, layer: int) -> tuple[int, int]:
+    """(dense, routed expert) parameters of decoder layer ``layer``."""
+    dense, experts = _mlp_params(m, layer)
+    dense += _attention_params(m, m.attention_kind(layer)) + 2 * m.hidden_size  # + the two norms
+    if m.hc_mult:
+        dense += 2 * _hyper_connection_params(m)
+    return dense, experts
+
+
+def embedding_params(m: ModelConfig) -> int:
+    return m.vocab_size * m.hidden_size
+
+
+def head_params(m: ModelConfig) -> int:
+    """Final norm and output layer (and DeepSeek-V4's hyper-connection head)."""
+    params = m.hidden_size + (0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size)
+    if m.hc_mult:
+        params += m.hc_mult * m.hc_mult * m.hidden_size + m.hc_mult + 1
+    return params
+
+
+def total_params(m: ModelConfig) -> tuple[int, int]:
+    """(all parameters, parameters active per token) of the decoder, without MTP layers."""
+    total = embedding_params(m) + head_params(m)
+    active = total
+    for layer in range(m.num_hidden_layers):
+        dense, experts = layer_params(m, layer)
+        total += dense + experts
+        active += dense + (experts * m.num_experts_per_tok // m.num_experts if m.num_experts else 0)
+    return total, active
+
+
+# --------------------------------------------------------------------------------------------------
+# activations (elements per token; bf16 unless counted twice for fp32)
+
+
+def _attention_act(m: ModelConfig, kind: str) -> float:
+    h, nh = m.hidden_size, m.num_attention_heads
+    lse = 2 * nh  # fp32 softmax statistics of flash attention
+    if kind in ("gqa", "gated_gqa"):
+        q, kv = nh * m.head_dim, 2 * m.num_key_value_heads * m.head_dim
+        elems = h + 2 * (q + kv) + q + lse  # linear input, q/k/v before and after qk-norm, core output
+        return elems + (2 * q if kind == "gated_gqa" else 0)  # gate and gated output
+    if kind == "gdn":
+        key_dim = m.linear_num_key_heads * m.linear_key_head_dim
+        value_dim = m.linear_num_value_heads * m.linear_value_head_dim
+        conv_dim = 2 * key_dim + value_dim
+        # linear input, q/k/v before and after the conv, z, a/b, core output, gated-norm output
+        return h + 2 * conv_dim + value_dim + 2 * m.linear_num_value_heads + 2 * value_dim
+    if kind in ("mla", "mla_dsa"):
+        qk_head = m.qk_nope_head_dim + m.qk_rope_head_dim
+        elems = h + 2 * (m.q_lora_rank or 0) + 2 * m.kv_lora_rank + m.qk_rope_head_dim
+        elems += nh * (2 * qk_head + 2 * m.v_head_dim) + lse  # q, k, v, core output
+        if kind == "mla_dsa":
+            elems += _indexer_act(m) + m.index_head_dim
+        return elems
+    ratio = int(kind.removeprefix("v4_r"))
+    d, q = m.head_dim, m.q_lora_rank or 0
+    elems = h + 2 * q + 2 * nh * d + 2 * d + nh * d + m.o_groups * m.o_lora_rank + lse
+    if ratio:
+        elems += (2 if ratio == 4 else 1) * d * 2 / ratio  # compressed kv and gate, per token
+    if ratio == 4:
+        elems += _indexer_act(m)
+    return elems
+
+
+def _indexer_act(m: ModelConfig) -> float:
+    """Indexer queries, head weights and the selected positions (int32)."""
+    return m.index_n_heads * m.index_head_dim + m.index_n_heads + 2 * m.index_topk
+
+
+def _mlp_act(m: ModelConfig, layer: int) -> tuple[float, float]:
+    """(dense, routed expert) elements per token kept by a layer's MLP."""
+    h = m.hidden_size
+    if not m.is_moe_layer(layer):
+        return h + 3 * m.intermediate_size, 0.0
+    shared_width = (
+        m.shared_expert_intermediate_size
+        if m.family == "qwen3_5_moe"
+        else m.n_shared_experts * m.moe_intermediate_size
+    )
+    dense = h + 2 * m.num_experts + 3 * shared_width  # input, fp32 router logits, shared expert
+    routed = m.num_experts_per_tok * (2 * h + 3 * m.moe_intermediate_size)  # permuted in/out, fc1, act
+    return dense, routed
+
+
+def layer_count(m: ModelConfig, layer: int) -> LayerCount:
+    dense_params, expert_params = layer_params(m, layer)
+    mlp_dense, mlp_routed = _mlp_act(m, layer)
+    dense = 2 * m.hidden_size + _attention_act(m, m.attention_kind(layer)) + mlp_dense  # + the two norms
+    if m.hc_mult:
+        dense += 2 * (2 * m.hc_mult * m.hidden_size + m.hidden_size)  # fp32 streams and the mixed input
+    return LayerCount(dense_params, expert_params, dense * BF16, mlp_routed * BF16)
+
+
+# --------------------------------------------------------------------------------------------------
+# placement
+
+
+def stage_layer_counts(mesh: MeshConfig, num_layers: int) -> list[int]:
+    """Layers on each pipeline rank under megatron-core's split (mesh rules assumed checked)."""
+    counts = [0] * mesh.pp
+    rest, middle = num_layers, mesh.pp
+    if mesh.first_stage_layers is not None:
+        counts[0] = mesh.first_stage_layers
+        rest, middle = rest - counts[0], middle - 1
+    if mesh.last_stage_layers is not None:
+        counts[-1] = mesh.last_stage_layers
+        rest, middle = rest - counts[-1], middle - 1
+    first = 1 if mesh.first_stage_layers is not None else 0
+    last = mesh.pp - (1 if mesh.last_stage_layers is not None else 0)
+    for rank in range(first, last):
+        counts[rank] = rest // middle
+    return counts
+
+
+def stage_layers(mesh: MeshConfig, num_layers: int) -> list[tuple[int, ...]]:
+    """Layer indices of each pipeline rank; with vpp, rank r holds chunks r, r + pp, ... in order."""
+    counts = stage_layer_counts(mesh, num_layers)
+    held: list[list[int]] = [[] for _ in range(mesh.pp)]
+    next_layer = 0
+    for _chunk in range(mesh.vpp):
+        for rank in range(mesh.pp):
+            size = counts[rank] // mesh.vpp
+            held[rank].extend(range(next_layer, next_layer + size))
+            next_layer += size
+    return [tuple(layers) for layers in held]
+
+
+def parallelism(mesh: MeshConfig, world: int, num_layers: int) -> Parallelism:
+    return Parallelism(
+        world=world,
+        tp=mesh.tp,
+        pp=mesh.pp,
+        cp=mesh.cp,
+        dp=world // (mesh.tp * mesh.cp * mesh.pp),
+        ep=mesh.ep,
+        etp=mesh.etp,
+        edp=world // (mesh.etp * mesh.ep * mesh.pp),
+        vpp=mesh.vpp,
+        stage_layers=tuple(stage_layers(mesh, num_layers)),
+    )
+
+
+def in_flight_microbatches(p: Parallelism, rank: int) -> float:
+    """Micro-batches of activations a pipeline rank holds at its peak, in units of all its layers."""
+    if p.pp == 1:
+        return 1.0
+    if p.vpp == 1:
+        return float(p.pp - rank)
+    warmup_chunks = 2 * (p.pp - rank - 1) + (p.vpp - 1) * p.pp
+    return (warmup_chunks + 1) / p.vpp
+
+
+# --------------------------------------------------------------------------------------------------
+# the estimate
+
+
+def estimate(
+    model: ModelConfig,
+    p: Parallelism,
+    optimizer: OptimizerKind,
+    tokens: int,
+    counts: list[LayerCount] | None = None,
+) -> Estimate:
+    """Memory of every pipeline stage for micro-batches of ``tokens`` tokens (split over CP)."""
+    counts = counts or [layer_count(model, i) for i in range(model.num_hidden_layers)]
+    local_tokens = tokens / p.cp
+    dense_shard, expert_shard = p.dp * p.cp, p.edp
+    result = Estimate(optimizer=optimizer, tokens=tokens)
+    for rank, layers in enumerate(p.stage_layers):
+        dense = sum(counts[i].dense_params for i in layers)
+        if rank == 0:
+            dense += embedding_params(model)
+        if rank == p.pp - 1:
+            dense += head_params(model)
+        dense_rank = dense / p.tp
+        expert_rank = sum(counts[i].expert_params for i in layers) / (p.ep * p.etp)
+        if optimizer == "dist_opt":
+            weights = BF16 * (dense_rank + expert_rank)
+            grads = FP32 * (dense_rank + expert_rank)
+            opt = DIST_OPT_SHARDED_BYTES * (dense_rank / dense_shard + expert_rank / expert_shard)
+        else:
+            largest = max(
+                (counts[i].dense_params / p.tp + counts[i].expert_params / (p.ep * p.etp) for i in layers),
+                default=0.0,
+            )
+            sharded = dense_rank / dense_shard + expert_rank / expert_shard
+            weights = FP32 * sharded + BF16 * FSDP_UNSHARDED_LAYERS * largest
+            grads = FP32 * sharded + FP32 * FSDP_UNSHARDED_LAYERS * largest
+            opt = ADAM_MOMENTS_BYTES * sharded
+        per_mb = sum(counts[i].dense_act / p.tp + counts[i].expert_act / p.etp for i in layers) * local_tokens
+        inputs_only = len(layers) * model.hidden_size * BF16 / p.tp * local_tokens
+        largest_layer = max(
+            (counts[i].dense_act / p.tp + counts[i].expert_act / p.etp for i in layers), default=0.0
+        )
+        flight = in_flight_microbatches(p, rank)
+        logits = 0.0
+        if rank == p.pp - 1:
+            logits = (BF16 + FP32) * math.ceil(model.vocab_size / p.tp) * local_tokens
+        result.stages.append(
+            StageMemory(
+                stage=rank,
+                layers=layers,
+                dense_params=round(dense_rank),
+                expert_params=round(expert_rank),
+                weights=weights,
+                grads=grads,
+                optimizer=opt,
+                activations=flight * per_mb,
+                activations_recompute=flight * inputs_only + largest_layer * local_tokens,
+                logits=logits,
+                in_flight=flight,
+            )
+        )
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+# checking the estimate against a real run
+
+
+def load_measured(path: str | Path) -> dict[int, int]:
+    """Peak bytes per pipeline stage from a run's ``peak_memory.json``.
+
+    The file holds ``{"ranks": [{"rank": 0, "pp_rank": 0, "peak_bytes": 123}, ...]}``, written by the
+    trainer from ``torch.cuda.max_memory_allocated()`` (or the CPU allocator's peak) at the end of a
+    step; the largest peak of the ranks of each pipeline stage is kept.
+    """
+    data = json.loads(Path(path).read_text())
+    peaks: dict[int, int] = {}
+    for entry in data.get("ranks", []):
+        stage = int(entry.get("pp_rank", 0))
+        peaks[stage] = max(peaks.get(stage, 0), int(entry["peak_bytes"]))
+    if not peaks:
+        raise ValueError(
+            f"{path}: no ranks with peak_bytes; expected {{'ranks': [{{'pp_rank', 'peak_bytes'}}]}}"
+        )
+    return peaks
+
+
+def compare_with_measured(
+    est: Estimate, measured: dict[int, int], recompute: bool
+) -> list[tuple[int, float, int, float]]:
+    """(stage, estimated bytes, measured bytes, relative error) for each measured stage."""
+    rows = []
+    for stage in est.stages:
+        if stage.stage in measured:
+            predicted = stage.total_recompute if recompute else stage.total
+            actual = measured[stage.stage]
+            rows.append((stage.stage, predicted, actual, (predicted - actual) / actual))
+    return rows
