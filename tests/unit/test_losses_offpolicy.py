@@ -35,20 +35,27 @@ def loss_with(config: LossConfig, proximal=PROXIMAL, logprobs=None, **kwargs):
     return logprobs, result
 
 
+G = math.sqrt(1.5)
+
+
 @pytest.mark.parametrize(
-    ("config", "expected"),
+    ("config", "expected", "weights"),
     [
-        (LossConfig(), 0.375),
-        (LossConfig(tis="token", tis_cap=2.0), 0.125),
-        (LossConfig(tis="sequence", tis_cap=2.0), 0.25),
-        (LossConfig(tis="geometric", tis_cap=1.5), (-2 * math.sqrt(1.5) + 2 * 1.5) / 4),
-        (LossConfig(icepop=(0.5, 2.0)), 0.125),
+        (LossConfig(), 0.375, [3.0, 0.5, 1.0, 4.0]),
+        (LossConfig(tis="token", tis_cap=2.0), 0.125, [2.0, 0.5, 1.0, 2.0]),
+        (LossConfig(tis="sequence", tis_cap=2.0), 0.25, [1.5, 1.5, 2.0, 2.0]),
+        (LossConfig(tis="geometric", tis_cap=1.5), (-2 * G + 2 * 1.5) / 4, [G, G, 1.5, 1.5]),
+        (LossConfig(icepop=(0.5, 2.0)), 0.125, [0.0, 0.5, 1.0, 0.0]),
     ],
     ids=["decoupled", "tis-token", "tis-sequence", "tis-geometric", "icepop"],
 )
-def test_correction_modes_by_hand(config, expected):
-    _, result = loss_with(config)
+def test_correction_modes_by_hand(config, expected, weights):
+    logprobs, result = loss_with(config)
     assert result.loss.item() == pytest.approx(expected, rel=1e-12)
+    # The weights are constants: d/d log pi of -A * w * exp(log pi - log pi_prox) at pi = pi_prox is -A * w.
+    result.loss.backward()
+    expected_grad = -ADV * torch.tensor(weights, dtype=torch.float64) / 4
+    torch.testing.assert_close(logprobs.grad, expected_grad, rtol=1e-12, atol=1e-15)
 
 
 def test_correction_statistics_by_hand():
