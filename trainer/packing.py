@@ -31,6 +31,8 @@ import numpy as np
 import torch
 
 from tidal.broker.types import Group, Sample
+from tidal.trainer.advantages import batch_advantages
+from tidal.trainer.config import LossConfig
 from tidal.trainer.losses import Normalizer
 
 
@@ -335,3 +337,30 @@ def _filler(pad_multiple: int, pad_token_id: int) -> MicroBatch:
         max_seqlen=n,
         item_index=[-1],
     )
+
+
+def plan_batch(
+    groups: Sequence[Group],
+    config: LossConfig,
+    *,
+    minibatches: int,
+    dp_size: int,
+    max_tokens: int,
+    pad_multiple: int = 1,
+    pad_token_id: int = 0,
+) -> list[MinibatchPlan]:
+    """A broker batch to one plan per minibatch: group advantages, whole groups per minibatch, packing."""
+    plans = []
+    for part in split_minibatches(groups, minibatches):
+        advantages = batch_advantages(part, norm_by_std=config.norm_adv_by_std, eps=config.adv_epsilon)
+        plans.append(
+            plan_minibatch(
+                items_from_groups(part, advantages),
+                dp_size=dp_size,
+                max_tokens=max_tokens,
+                pad_multiple=pad_multiple,
+                mask_truncated=config.mask_truncated,
+                pad_token_id=pad_token_id,
+            )
+        )
+    return plans

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tidal.broker.types import Group, Sample
+from tidal.trainer.advantages import group_advantages
 from tidal.trainer.config import LossConfig
 from tidal.trainer.losses import Normalizer, grpo_loss
 from tidal.trainer.packing import (
@@ -14,6 +15,7 @@ from tidal.trainer.packing import (
     build_micro_batch,
     items_from_groups,
     plan_assignment,
+    plan_batch,
     plan_minibatch,
     split_minibatches,
 )
@@ -231,3 +233,16 @@ def test_assignment_properties(lengths, dp_size, pad_multiple, extra_budget):
             assert sum(padded[i] for i in mb) <= budget
     rank_tokens = [sum(padded[i] for mb in rank for i in mb) for rank in assignment]
     assert max(rank_tokens) - min(rank_tokens) <= max(padded, default=0)
+
+
+def test_plan_batch_splits_groups_into_minibatches_with_their_advantages():
+    groups = make_groups(seed=8, groups=5, n=4)
+    groups[0].samples[0].finish_reason = "length"
+    plans = plan_batch(groups, LossConfig(mask_truncated=True), minibatches=2, dp_size=2, max_tokens=64)
+    assert [len(p.items) for p in plans] == [8, 12]  # groups 0-1 and 2-4, whole groups each
+    # advantages are each group's own (std-normalised), in sample order
+    expected = np.concatenate([group_advantages(g.rewards) for g in groups[:2]])
+    np.testing.assert_allclose([it.advantage for it in plans[0].items], expected)
+    truncated = len(groups[0].samples[0].response_ids)
+    total = sum(len(s.response_ids) for g in groups[:2] for s in g.samples)
+    assert plans[0].normalizer == Normalizer(tokens=total - truncated, sequences=7)
