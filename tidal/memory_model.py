@@ -10,7 +10,7 @@ DeepSeek-V4's per-layer attention kinds are each counted as they are), then plac
 - optimizer state is sharded over the data-parallel ranks that hold the same weights: dp*cp for dense
   parameters, edp for experts.
 
-Bytes per parameter (bf16 training with fp32 master weights, Adam):
+Bytes per parameter (Adam; :data:`PARAM_BYTES`), for bf16 training with fp32 master weights:
 
 =========  ===============  ================  ===========================================
 optimizer  weights          gradients         optimizer state
@@ -19,6 +19,9 @@ dist_opt   2 (bf16)         4 (fp32 buffer)   12 / shard (fp32 master + 2 Adam m
 fsdp2      4 / shard (fp32)  4 / shard (fp32)  8 / shard (2 Adam moments)
            + bf16 weights and fp32 gradients of 2 layers unsharded (current and prefetched)
 =========  ===============  ================  ===========================================
+
+and for fp32 training (``trainer.bf16: false``, the tiny CPU runs) 4-byte weights that are their own
+master copy and 4-byte activations.
 
 Activations are the tensors each module keeps for backward, per token, in bf16 (softmax statistics and
 router logits in fp32), with flash attention (no s^2 term), sequence parallel when tp > 1, balanced
@@ -44,17 +47,35 @@ GiB = 1 << 30
 BF16 = 2
 FP32 = 4
 OptimizerKind = Literal["dist_opt", "fsdp2"]
-# fp32 master weights + fp32 Adam moments
-DIST_OPT_SHARDED_BYTES = 12
-# fp32 Adam moments (FSDP also shards the fp32 master weights and gradients)
-ADAM_MOMENTS_BYTES = 8
-# layers whose unsharded bf16 parameters and fp32 gradients FSDP keeps at once (current + prefetched)
+# layers whose unsharded parameters and gradients FSDP keeps at once (current + prefetched)
 FSDP_UNSHARDED_LAYERS = 2
 
 
 @dataclass(frozen=True)
+class ParamBytes:
+    """Bytes per parameter: held whole on each rank, sharded over the data-parallel group, unsharded per
+    live FSDP layer; for weights, gradients and optimizer state."""
+
+    weights: tuple[float, float, float]
+    grads: tuple[float, float, float]
+    optimizer: tuple[float, float, float]
+
+
+# (optimizer, bf16) -> (whole, per shard, per unsharded layer) bytes per parameter
+PARAM_BYTES: dict[tuple[str, bool], ParamBytes] = {
+    # bf16 weights, fp32 main-grad buffer, sharded fp32 master weights + 2 Adam moments
+    ("dist_opt", True): ParamBytes((BF16, 0, 0), (FP32, 0, 0), (0, 12, 0)),
+    # fp32 weights are their own master copy: 2 Adam moments
+    ("dist_opt", False): ParamBytes((FP32, 0, 0), (FP32, 0, 0), (0, 8, 0)),
+    # sharded fp32 master weights, gradients and moments; bf16 weights and fp32 grads of live layers
+    ("fsdp2", True): ParamBytes((0, FP32, BF16), (0, FP32, FP32), (0, 8, 0)),
+    ("fsdp2", False): ParamBytes((0, FP32, FP32), (0, FP32, FP32), (0, 8, 0)),
+}
+
+
+@dataclass(frozen=True)
 class LayerCount:
-    """Parameters of one decoder layer, and bytes it keeps for backward per token."""
+    """Parameters of one decoder layer, and bytes it keeps for backward per token in bf16 training."""
 
     dense_params: int  # split over TP
     expert_params: int  # routed experts; split over EP x ETP
@@ -109,6 +130,7 @@ class StageMemory:
 class Estimate:
     optimizer: OptimizerKind
     tokens: int  # per micro-batch, before CP
+    bf16: bool = True
     stages: list[StageMemory] = field(default_factory=list)
 
     @property
@@ -359,12 +381,18 @@ def estimate(
     optimizer: OptimizerKind,
     tokens: int,
     counts: list[LayerCount] | None = None,
+    bf16: bool = True,
 ) -> Estimate:
-    """Memory of every pipeline stage for micro-batches of ``tokens`` tokens (split over CP)."""
+    """Memory of every pipeline stage for micro-batches of ``tokens`` tokens (split over CP).
+
+    ``bf16=False`` is fp32 training (the tiny CPU runs): 4-byte weights and activations.
+    """
     counts = counts or [layer_count(model, i) for i in range(model.num_hidden_layers)]
     local_tokens = tokens / p.cp
+    act_scale = 1 if bf16 else FP32 / BF16
+    per_param = PARAM_BYTES[(optimizer, bf16)]
     dense_shard, expert_shard = p.dp * p.cp, p.edp
-    result = Estimate(optimizer=optimizer, tokens=tokens)
+    result = Estimate(optimizer=optimizer, tokens=tokens, bf16=bf16)
     for rank, layers in enumerate(p.stage_layers):
         dense = sum(counts[i].dense_params for i in layers)
         if rank == 0:
@@ -373,37 +401,38 @@ def estimate(
             dense += head_params(model)
         dense_rank = dense / p.tp
         expert_rank = sum(counts[i].expert_params for i in layers) / (p.ep * p.etp)
-        if optimizer == "dist_opt":
-            weights = BF16 * (dense_rank + expert_rank)
-            grads = FP32 * (dense_rank + expert_rank)
-            opt = DIST_OPT_SHARDED_BYTES * (dense_rank / dense_shard + expert_rank / expert_shard)
-        else:
-            largest = max(
+        whole = dense_rank + expert_rank
+        sharded = dense_rank / dense_shard + expert_rank / expert_shard
+        live = 0.0
+        if optimizer == "fsdp2":
+            live = FSDP_UNSHARDED_LAYERS * max(
                 (counts[i].dense_params / p.tp + counts[i].expert_params / (p.ep * p.etp) for i in layers),
                 default=0.0,
             )
-            sharded = dense_rank / dense_shard + expert_rank / expert_shard
-            weights = FP32 * sharded + BF16 * FSDP_UNSHARDED_LAYERS * largest
-            grads = FP32 * sharded + FP32 * FSDP_UNSHARDED_LAYERS * largest
-            opt = ADAM_MOMENTS_BYTES * sharded
-        per_mb = sum(counts[i].dense_act / p.tp + counts[i].expert_act / p.etp for i in layers) * local_tokens
-        inputs_only = len(layers) * model.hidden_size * BF16 / p.tp * local_tokens
-        largest_layer = max(
-            (counts[i].dense_act / p.tp + counts[i].expert_act / p.etp for i in layers), default=0.0
-        )
+
+        def held(
+            bytes_per_param: tuple[float, float, float], whole=whole, sharded=sharded, live=live
+        ) -> float:
+            return bytes_per_param[0] * whole + bytes_per_param[1] * sharded + bytes_per_param[2] * live
+
+        per_token = [act_scale * (counts[i].dense_act / p.tp + counts[i].expert_act / p.etp) for i in layers]
+        per_mb = sum(per_token) * local_tokens
+        inputs_only = len(layers) * model.hidden_size * BF16 * act_scale / p.tp * local_tokens
+        largest_layer = max(per_token, default=0.0)
         flight = in_flight_microbatches(p, rank)
         logits = 0.0
         if rank == p.pp - 1:
-            logits = (BF16 + FP32) * math.ceil(model.vocab_size / p.tp) * local_tokens
+            # the output layer's logits and the loss's fp32 softmax
+            logits = (BF16 * act_scale + FP32) * math.ceil(model.vocab_size / p.tp) * local_tokens
         result.stages.append(
             StageMemory(
                 stage=rank,
                 layers=layers,
                 dense_params=round(dense_rank),
                 expert_params=round(expert_rank),
-                weights=weights,
-                grads=grads,
-                optimizer=opt,
+                weights=held(per_param.weights),
+                grads=held(per_param.grads),
+                optimizer=held(per_param.optimizer),
                 activations=flight * per_mb,
                 activations_recompute=flight * inputs_only + largest_layer * local_tokens,
                 logits=logits,

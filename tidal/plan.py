@@ -148,6 +148,21 @@ def auto_layout(num_layers: int, pp: int, vpp: int = 1) -> tuple[int | None, int
 # evaluation and search
 
 
+@dataclass(frozen=True)
+class Workload:
+    """What is trained, independent of the mesh: the model, its per-layer counts, the micro-batch."""
+
+    model: ModelConfig
+    tokens: int
+    bf16: bool
+    counts: tuple[LayerCount, ...]
+
+    @classmethod
+    def of(cls, model: ModelConfig, tokens: int, bf16: bool = True) -> Workload:
+        counts = tuple(layer_count(model, i) for i in range(model.num_hidden_layers))
+        return cls(model, tokens, bf16, counts)
+
+
 @dataclass
 class Evaluated:
     mesh: MeshConfig
@@ -163,16 +178,11 @@ class Evaluated:
         return "no"
 
 
-def evaluate(
-    model: ModelConfig,
-    mesh: MeshConfig,
-    world: int,
-    optimizer: OptimizerKind,
-    tokens: int,
-    counts: list[LayerCount],
-) -> Evaluated:
-    p = parallelism(mesh, world, model.num_hidden_layers)
-    return Evaluated(mesh, world, estimate(model, p, optimizer, tokens, counts))
+def evaluate(work: Workload, mesh: MeshConfig, world: int, optimizer: OptimizerKind) -> Evaluated:
+    p = parallelism(mesh, world, work.model.num_hidden_layers)
+    return Evaluated(
+        mesh, world, estimate(work.model, p, optimizer, work.tokens, list(work.counts), work.bf16)
+    )
 
 
 def _divisors(n: int) -> list[int]:
@@ -215,33 +225,24 @@ def mesh_distance(a: MeshConfig, b: MeshConfig) -> float:
 
 
 def nearest_fitting(
-    model: ModelConfig,
-    world: int,
-    base: MeshConfig,
-    optimizer: OptimizerKind,
-    tokens: int,
-    budget: float,
-    counts: list[LayerCount],
-    limit: int,
+    work: Workload, world: int, base: MeshConfig, optimizer: OptimizerKind, budget: float, limit: int
 ) -> list[Evaluated]:
     found = []
-    for mesh in candidate_meshes(model, world, base, tokens):
-        ev = evaluate(model, mesh, world, optimizer, tokens, counts)
+    for mesh in candidate_meshes(work.model, world, base, work.tokens):
+        ev = evaluate(work, mesh, world, optimizer)
         if ev.fits(budget) != "no":
             found.append((mesh_distance(mesh, base), ev.estimate.peak_recompute.total_recompute, ev))
     found.sort(key=lambda item: (item[0], item[1]))
     return [ev for _, _, ev in found[:limit]]
 
 
-def dist_opt_needs(
-    model: ModelConfig, world: int, base: MeshConfig, tokens: int, budget: float, counts: list[LayerCount]
-) -> Evaluated | None:
+def dist_opt_needs(work: Workload, world: int, base: MeshConfig, budget: float) -> Evaluated | None:
     """The smallest PP x EP (same tp, cp, etp) at which dist_opt fits, if any."""
     best = None
-    for mesh in candidate_meshes(model, world, base, tokens):
+    for mesh in candidate_meshes(work.model, world, base, work.tokens):
         if (mesh.tp, mesh.cp, mesh.etp) != (base.tp, base.cp, base.etp):
             continue
-        ev = evaluate(model, mesh, world, "dist_opt", tokens, counts)
+        ev = evaluate(work, mesh, world, "dist_opt")
         if ev.fits(budget) == "no":
             continue
         key = (mesh.pp * mesh.ep, mesh_distance(mesh, base))
@@ -313,7 +314,8 @@ def memory_lines(est: Estimate, budget: float) -> list[str]:
         return f"{x / scale:7.1f}"
 
     lines = [
-        f"  memory per GPU ({unit}), optimizer {est.optimizer}, {est.tokens} tokens per micro-batch:",
+        f"  memory per GPU ({unit}), optimizer {est.optimizer}, {'bf16' if est.bf16 else 'fp32'}, "
+        f"{est.tokens} tokens per micro-batch:",
         "   stage  layers  params/GPU  weights   grads   optim  act(in-flight)  act(full-rc)  logits"
         "    total  total(full-rc)",
     ]
@@ -352,8 +354,8 @@ def report(cfg: RunConfig, model: ModelConfig, world: int, opts: PlanOptions) ->
     errors = plan_errors(model, mesh, world, tokens)
     if errors:
         return 2, out + ["ILLEGAL MESH:"] + [f"  {e}" for e in errors]
-    counts = [layer_count(model, i) for i in range(model.num_hidden_layers)]
-    ev = evaluate(model, mesh, world, optimizer, tokens, counts)
+    work = Workload.of(model, tokens, cfg.trainer.bf16)
+    ev = evaluate(work, mesh, world, optimizer)
     out += accounting_lines(model, ev)
     out += memory_lines(ev.estimate, opts.budget)
     verdict = ev.fits(opts.budget)
@@ -361,12 +363,12 @@ def report(cfg: RunConfig, model: ModelConfig, world: int, opts: PlanOptions) ->
         f"verdict: {VERDICT[verdict]} ({opts.gpu_mem_gib:g} GiB GPUs, {opts.reserve_gib:g} GiB reserved)"
     )
     if optimizer == "fsdp2":
-        out += _dist_opt_lines(model, world, mesh, tokens, opts.budget, counts)
+        out += _dist_opt_lines(work, world, mesh, opts.budget)
     if opts.measured:
         out += _measured_lines(ev.estimate, opts.measured, recompute=verdict == "recompute")
     if verdict == "no":
         out.append(f"nearest legal meshes that fit on {world} GPUs ({optimizer}):")
-        found = nearest_fitting(model, world, mesh, optimizer, tokens, opts.budget, counts, opts.suggest)
+        found = nearest_fitting(work, world, mesh, optimizer, opts.budget, opts.suggest)
         for alt in found:
             e = alt.estimate
             out.append(
@@ -379,10 +381,8 @@ def report(cfg: RunConfig, model: ModelConfig, world: int, opts: PlanOptions) ->
     return 0, out
 
 
-def _dist_opt_lines(
-    model: ModelConfig, world: int, mesh: MeshConfig, tokens: int, budget: float, counts: list[LayerCount]
-) -> list[str]:
-    ev = evaluate(model, mesh, world, "dist_opt", tokens, counts)
+def _dist_opt_lines(work: Workload, world: int, mesh: MeshConfig, budget: float) -> list[str]:
+    ev = evaluate(work, mesh, world, "dist_opt")
     fit = ev.fits(budget)
     line = (
         f"dist_opt at this mesh: {_size(ev.estimate.peak.total)}, "
@@ -390,7 +390,7 @@ def _dist_opt_lines(
     )
     if fit != "no":
         return [line]
-    needed = dist_opt_needs(model, world, mesh, tokens, budget, counts)
+    needed = dist_opt_needs(work, world, mesh, budget)
     if needed is None:
         return [line, f"  dist_opt fits at no PP x EP on {world} GPUs with tp={mesh.tp} cp={mesh.cp}"]
     m = needed.mesh

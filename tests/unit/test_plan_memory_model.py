@@ -9,7 +9,6 @@ from tidal.config import RunConfig
 from tidal.configio import load_config
 from tidal.memory_model import (
     BF16,
-    DIST_OPT_SHARDED_BYTES,
     FP32,
     compare_with_measured,
     estimate,
@@ -92,7 +91,11 @@ def test_dist_opt_bytes_per_parameter_by_hand():
     assert stage.dense_params == DENSE_TOTAL
     assert stage.weights == BF16 * DENSE_TOTAL
     assert stage.grads == FP32 * DENSE_TOTAL
-    assert stage.optimizer == DIST_OPT_SHARDED_BYTES * DENSE_TOTAL / 2
+    assert stage.optimizer == (4 + 4 + 4) * DENSE_TOTAL / 2  # fp32 master, two fp32 moments, sharded
+    fp32 = estimate(DENSE, p, "dist_opt", 1024, bf16=False).stages[0]
+    assert fp32.weights == FP32 * DENSE_TOTAL  # fp32 weights are their own master copy
+    assert fp32.optimizer == (4 + 4) * DENSE_TOTAL / 2
+    assert fp32.activations == 2 * stage.activations
 
 
 def test_fsdp2_shards_everything_but_two_layers():
