@@ -96,7 +96,7 @@ class StepStats:
         mins = sorted(self._min)
         additive = [t for n in sums for t in self._mean[n]] + [self._sum[n] for n in adds]
         if additive:
-            packed = torch.stack(additive).to(device)
+            packed = torch.stack([t.to(device) for t in additive])  # values may sit on CPU or GPU
             dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
             packed = packed.cpu()
             for i, n in enumerate(sums):
@@ -106,7 +106,7 @@ class StepStats:
         # max and min in one collective: min(x) = -max(-x).
         extremes = [self._max[n] for n in maxes] + [-self._min[n] for n in mins]
         if extremes:
-            packed = torch.stack(extremes).to(device)
+            packed = torch.stack([t.to(device) for t in extremes])
             dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
             packed = packed.cpu()
             for i, n in enumerate(maxes):
