@@ -84,3 +84,87 @@ def test_tiny_variant_keeps_the_preset_layer_kinds():
         assert (small.first_k_dense_replace > 0) == (big.first_k_dense_replace > 0)
         assert (small.num_hash_layers > 0) == (big.num_hash_layers > 0)
         assert small.hidden_size <= 128 and small.num_experts <= 16
+
+
+# The published config.json of DeepSeek-V4 Flash and Pro (deepseek-ai/DeepSeek-V4-{Flash,Pro}), less the
+# quantization block: loading it must give the preset's architecture field for field.
+V4_COMMON = {
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "hc_eps": 1e-06,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "head_dim": 512,
+    "hidden_act": "silu",
+    "index_head_dim": 128,
+    "index_n_heads": 64,
+    "initializer_range": 0.02,
+    "max_position_embeddings": 1048576,
+    "model_type": "deepseek_v4",
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_experts_per_tok": 6,
+    "num_hash_layers": 3,
+    "num_key_value_heads": 1,
+    "num_nextn_predict_layers": 1,
+    "o_lora_rank": 1024,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 16,
+        "original_max_position_embeddings": 65536,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "scoring_func": "sqrtsoftplus",
+    "sliding_window": 128,
+    "swiglu_limit": 10.0,
+    "tie_word_embeddings": False,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 129280,
+    "compress_rope_theta": 160000,
+}
+V4_HF = {
+    "deepseek_v4_flash": V4_COMMON
+    | {
+        "expert_dtype": "fp4",
+        "hidden_size": 4096,
+        "index_topk": 512,
+        "moe_intermediate_size": 2048,
+        "n_routed_experts": 256,
+        "num_attention_heads": 64,
+        "num_hidden_layers": 43,
+        "o_groups": 8,
+        "q_lora_rank": 1024,
+        "routed_scaling_factor": 1.5,
+        "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
+    },
+    "deepseek_v4_pro": V4_COMMON
+    | {
+        "hidden_size": 7168,
+        "index_topk": 1024,
+        "moe_intermediate_size": 3072,
+        "n_routed_experts": 384,
+        "num_attention_heads": 128,
+        "num_hidden_layers": 61,
+        "o_groups": 16,
+        "q_lora_rank": 1536,
+        "routed_scaling_factor": 2.5,
+        "compress_ratios": [128, 128] + [4, 128] * 29 + [4, 0],
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(V4_HF))
+def test_published_deepseek_v4_config_loads_as_the_preset(name):
+    from tidal.model_config import ModelConfig
+
+    preset = load_config(RunConfig, CONFIGS / f"{name}.yaml").model
+    assert ModelConfig.from_hf_dict(V4_HF[name]) == preset
