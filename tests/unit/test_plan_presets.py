@@ -168,3 +168,82 @@ def test_published_deepseek_v4_config_loads_as_the_preset(name):
 
     preset = load_config(RunConfig, CONFIGS / f"{name}.yaml").model
     assert ModelConfig.from_hf_dict(V4_HF[name]) == preset
+
+
+# Multimodal checkpoints nest the text model's config: Qwen3.5 (model_type qwen3_5_moe) and Kimi K2.6
+# (kimi_k25 around a kimi_k2 text_config). The fields are those of the public config.json copies.
+WRAPPED_HF = {
+    "qwen3_5_35b_a3b": {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "tie_word_embeddings": False,
+        "text_config": {
+            "model_type": "qwen3_5_moe_text",
+            "num_hidden_layers": 40,
+            "full_attention_interval": 4,
+            "hidden_size": 2048,
+            "vocab_size": 248320,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 2,
+            "head_dim": 256,
+            "attn_output_gate": True,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 256,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512,
+            "rms_norm_eps": 1e-6,
+            "mtp_num_hidden_layers": 1,
+            "max_position_embeddings": 262144,
+            "rope_parameters": {
+                "rope_theta": 10000000,
+                "mrope_section": [11, 11, 10],
+                "mrope_interleaved": True,
+                "partial_rotary_factor": 0.25,
+            },
+        },
+    },
+    "kimi_k2_6": {
+        "model_type": "kimi_k25",
+        "text_config": {
+            "model_type": "kimi_k2",
+            "vocab_size": 163840,
+            "hidden_size": 7168,
+            "intermediate_size": 18432,
+            "moe_intermediate_size": 2048,
+            "num_hidden_layers": 61,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 64,
+            "n_shared_experts": 1,
+            "n_routed_experts": 384,
+            "num_experts_per_tok": 8,
+            "first_k_dense_replace": 1,
+            "routed_scaling_factor": 2.827,
+            "q_lora_rank": 1536,
+            "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "norm_topk_prob": True,
+            "max_position_embeddings": 262144,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 50000.0,
+            "scoring_func": "sigmoid",
+            "topk_method": "noaux_tc",
+            "n_group": 1,
+            "topk_group": 1,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(WRAPPED_HF))
+def test_nested_text_config_loads_as_the_preset(name):
+    from tidal.model_config import ModelConfig
+
+    preset = load_config(RunConfig, CONFIGS / f"{name}.yaml").model
+    assert ModelConfig.from_hf_dict(WRAPPED_HF[name]) == preset
