@@ -307,24 +307,38 @@ def accounting_lines(model: ModelConfig, ev: Evaluated) -> list[str]:
     return lines
 
 
+MEMORY_COLUMNS = (
+    "stage",
+    "layers",
+    "params",
+    "weights",
+    "grads",
+    "optim",
+    "in-flight",
+    "act",
+    "act(rc)",
+    "logits",
+    "total",
+    "total(rc)",
+)
+
+
 def memory_lines(est: Estimate, budget: float) -> list[str]:
     unit, scale = _unit(est)
-
-    def num(x: float) -> str:
-        return f"{x / scale:7.1f}"
-
     lines = [
         f"  memory per GPU ({unit}), optimizer {est.optimizer}, {'bf16' if est.bf16 else 'fp32'}, "
-        f"{est.tokens} tokens per micro-batch:",
-        "   stage  layers  params/GPU  weights   grads   optim  act(in-flight)  act(full-rc)  logits"
-        "    total  total(full-rc)",
+        f"{est.tokens} tokens per micro-batch; act: activations of the in-flight micro-batches, "
+        "(rc): with full recompute",
+        "  " + "".join(f"{name:>10}" for name in MEMORY_COLUMNS),
     ]
     for s in est.stages:
-        lines.append(
-            f"   {s.stage:5d}  {len(s.layers):6d}  {_billions(s.dense_params + s.expert_params):>10}"
-            f"  {num(s.weights)} {num(s.grads)} {num(s.optimizer)}  {num(s.activations)} x{s.in_flight:<4g}"
-            f"  {num(s.activations_recompute)}     {num(s.logits)}  {num(s.total)}  {num(s.total_recompute)}"
+        sizes = (s.weights, s.grads, s.optimizer)
+        tail = (s.activations, s.activations_recompute, s.logits, s.total, s.total_recompute)
+        cells = [str(s.stage), str(len(s.layers)), _billions(s.dense_params + s.expert_params)]
+        cells += (
+            [f"{x / scale:.1f}" for x in sizes] + [f"x{s.in_flight:g}"] + [f"{x / scale:.1f}" for x in tail]
         )
+        lines.append("  " + "".join(f"{cell:>10}" for cell in cells))
     lines.append(
         f"  peak: {est.peak.total / scale:.1f} {unit} (stage {est.peak.stage}) without recompute, "
         f"{est.peak_recompute.total_recompute / scale:.1f} {unit} (stage {est.peak_recompute.stage}) with "
