@@ -1,0 +1,297 @@
+"""``tidal run``: the whole job on this machine, each actor a separate process.
+
+    tidal run                               # the default job (configs/tiny.yaml)
+    tidal run CONFIG key=value ...          # any config
+    tidal run --sync                        # the same job synchronously (eta = 0), for comparison
+    tidal run --resume RUN_DIR              # continue a stopped job
+    flags: --plain (line-per-step output instead of the live view), --no-control (skip the SFT control)
+
+Steps: prepare the task's data and tokenizer, initialise the model, warm it up with ``tidal sft``,
+start the broker, the rollout nodes and the trainer (torchrun) as processes, watch them (restart dead
+rollout nodes; resume a dead trainer from its checkpoint), then evaluate the SFT checkpoint, the GRPO
+result and an SFT control on held-out problems and print the comparison. Everything goes to the run
+directory: resolved config, metrics, TensorBoard events, plots, logs of every process, checkpoints, report.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tidal.config import RunConfig
+from tidal.configio import build, dump_config, load_config
+from tidal.errors import ConfigError
+from tidal.procs import free_port, python_cmd, wait_for_tcp
+from tidal.supervisor import ProcessDied, ProcessSpec, Supervisor
+
+
+@dataclass
+class RunOptions:
+    sync: bool = False
+    resume: str | None = None
+    plain: bool = False
+    control: bool = True
+
+
+def parse_options(args: list[str]) -> RunOptions:
+    opts = RunOptions()
+    it = iter(args)
+    for a in it:
+        if a == "--sync":
+            opts.sync = True
+        elif a == "--resume":
+            opts.resume = next(it, None)
+            if not opts.resume:
+                raise ConfigError("--resume needs a run directory")
+        elif a == "--plain":
+            opts.plain = True
+        elif a == "--no-control":
+            opts.control = False
+        else:
+            raise ConfigError(
+                f"tidal run: unknown argument {a!r} (flags: --sync, --resume RUN_DIR, --plain, --no-control)"
+            )
+    return opts
+
+
+class RunDir:
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.logs = self.root / "logs"
+        self.config = self.root / "config.yaml"
+        self.init_hf = self.root / "init_hf"
+        self.sft = self.root / "sft"
+        self.sft_hf = self.root / "sft" / "hf"
+        self.train = self.root / "train"
+        self.final_hf = self.root / "final_hf"
+        self.control = self.root / "control"
+        self.metrics = self.root / "metrics.jsonl"
+        self.report = self.root / "report.json"
+        self.plots = self.root / "plots"
+
+    def make(self) -> None:
+        for d in (self.root, self.logs, self.plots):
+            d.mkdir(parents=True, exist_ok=True)
+
+
+def _with(config: RunConfig, overrides: dict) -> RunConfig:
+    data = config.model_dump(mode="json")
+    for dotted, value in overrides.items():
+        node = data
+        *parents, last = dotted.split(".")
+        for p in parents:
+            node = node[p]
+        node[last] = value
+    return build(RunConfig, data)
+
+
+def torchrun_cmd(nproc: int, master_port: int, *cli_args: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--nnodes=1",
+        f"--master-port={master_port}",
+        "-m",
+        "tidal.cli",
+        *cli_args,
+    ]
+
+
+def run_phase(sup: Supervisor, spec: ProcessSpec, poll_s: float = 0.5) -> None:
+    """Run one process to completion under the supervisor (raises ProcessDied on failure)."""
+    sup.start(spec)
+    while True:
+        if spec.name in sup.poll():
+            return
+        time.sleep(poll_s)
+
+
+def main(config: RunConfig, args: list[str]) -> int:
+    opts = parse_options(args)
+    if opts.resume:
+        config = load_config(RunConfig, Path(opts.resume) / "config.yaml")
+    if opts.sync:
+        config = _with(config, {"broker.max_staleness": 0})
+    from tidal.rollout.tasks import prepare_task
+
+    rd = RunDir(config.run_dir)
+    rd.make()
+    dump_config(config, rd.config)
+    interactive = sys.stdout.isatty() and not opts.plain
+    from tidal.live_view import LiveView
+
+    view = LiveView(config.trainer.steps, f"tidal {config.name}{' (sync)' if opts.sync else ''}", interactive)
+    sup = Supervisor(on_event=view.event)
+    stopping = {"flag": False}
+
+    def _on_signal(signum, frame):  # noqa: ARG001
+        stopping["flag"] = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    try:
+        files = prepare_task(config, rd.root)
+        view.event(f"task {config.task.name}: data in {files.train.parent}, tokenizer {files.tokenizer}")
+        from tidal.bootstrap import init_hf_model
+
+        init_hf_model(config.model, files.tokenizer, rd.init_hf, seed=config.seed)
+        t0 = time.time()
+        if not (rd.sft_hf / "config.json").exists():
+            view.event("supervised warm-up (tidal sft)")
+            run_phase(sup, sft_spec(config, rd, init=rd.init_hf, out=rd.sft, lr=None, wall_s=None))
+        sft_wall = time.time() - t0
+        with view:
+            grpo_wall = run_grpo(config, rd, sup, view, files)
+        results = evaluate_all(config, rd, sup, view, files, grpo_wall, opts.control)
+        results["sft_wall_s"] = sft_wall
+        results["grpo_wall_s"] = grpo_wall
+        rd.report.write_text(json.dumps(results, indent=1))
+        print_report(results)
+        from tidal.plots import write_plots
+
+        write_plots(rd.metrics, rd.plots)
+        return 0
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping every process (resume with: tidal run --resume " + str(rd.root) + ")")
+        return 130
+    except ProcessDied as exc:
+        print(f"\ntidal run: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        sup.stop_all(order=["trainer", *[n for n in sup.states if n.startswith("rollout")], "broker"])
+
+
+def sft_spec(
+    config: RunConfig,
+    rd: RunDir,
+    *,
+    init: Path,
+    out: Path,
+    lr: float | None,
+    wall_s: float | None,
+    name: str = "sft",
+) -> ProcessSpec:
+    extra = [f"--init={init}", f"--out={out}"]
+    if lr is not None:
+        extra.append(f"--lr={lr}")
+    if wall_s is not None:
+        extra.append(f"--wall-s={wall_s:.1f}")
+    cmd = torchrun_cmd(config.trainer.nproc, free_port(), "sft", str(rd.config), *extra)
+    return ProcessSpec(name=name, cmd=cmd, log=rd.logs / f"{name}.log", expect_exit=True)
+
+
+def run_grpo(config: RunConfig, rd: RunDir, sup: Supervisor, view, files) -> float:
+    """Broker + rollout nodes + trainer until the trainer finishes its steps; returns the wall time."""
+    from tidal.broker.client import BrokerClient
+
+    port = int(config.broker.bind.rsplit(":", 1)[1])
+    host = config.broker.bind.split("//", 1)[1].rsplit(":", 1)[0]
+    data_override = f"broker.data.path={files.train}"
+    sup.start(
+        ProcessSpec("broker", python_cmd("broker", str(rd.config), data_override), rd.logs / "broker.log")
+    )
+    wait_for_tcp(host, port, 30, sup.states["broker"].proc)
+    for i in range(config.rollout.nodes):
+        cmd = python_cmd(
+            "rollout",
+            str(rd.config),
+            f"model.path={rd.sft_hf}",
+            "--broker",
+            config.broker.bind,
+            "--name",
+            f"node{i}",
+        )
+        sup.start(ProcessSpec(f"rollout{i}", cmd, rd.logs / f"rollout{i}.log", restart=True, max_restarts=5))
+    train_cmd = torchrun_cmd(
+        config.trainer.nproc, free_port(), "train", str(rd.config), f"--init={rd.sft}", f"--out={rd.train}"
+    )
+    trainer = ProcessSpec(
+        "trainer", train_cmd, rd.logs / "trainer.log", restart=True, max_restarts=3, expect_exit=True
+    )
+    t0 = time.time()
+    sup.start(trainer)
+    pos = 0
+    client = BrokerClient(config.broker.bind, timeout_s=5.0)
+    last_stats = 0.0
+    try:
+        while True:
+            done = sup.poll()
+            records, pos = read_new(rd.metrics, pos)
+            stats = None
+            if time.time() - last_stats > 2.0:
+                last_stats = time.time()
+                try:
+                    stats = client.stats()
+                except Exception:  # noqa: BLE001 - the broker may be restarting; the view shows the last stats
+                    stats = None
+            view.update(records, stats, sup.health())
+            if "trainer" in done:
+                break
+            time.sleep(0.5)
+    finally:
+        client.close()
+    return time.time() - t0
+
+
+def read_new(path: Path, pos: int):
+    from tidal.live_view import read_metrics
+
+    return read_metrics(path, pos)
+
+
+def evaluate_all(
+    config: RunConfig, rd: RunDir, sup: Supervisor, view, files, grpo_wall: float, control: bool
+) -> dict:
+    from tidal.evaluate import evaluate_dir
+    from tidal.rollout.tasks import build_task
+    from tidal.rollout.tasks.data import read_rows
+
+    task = build_task(config, rd.root)
+    rows = list(read_rows(files.eval))
+    max_new = config.rollout.sampling.max_new_tokens
+    results: dict = {"eval_problems": len(rows)}
+    results["sft"] = evaluate_dir(rd.sft_hf, task, rows, max_new).as_dict()
+    results["grpo"] = evaluate_dir(rd.final_hf, task, rows, max_new).as_dict()
+    if control:
+        sup.stop_all()
+        view.event(f"control: continued SFT at GRPO's lr for {grpo_wall:.0f}s")
+        run_phase(
+            sup,
+            sft_spec(
+                config,
+                rd,
+                init=rd.sft,
+                out=rd.control,
+                lr=config.trainer.optimizer.lr,
+                wall_s=grpo_wall,
+                name="control",
+            ),
+        )
+        results["control_sft"] = evaluate_dir(rd.control / "hf", task, rows, max_new).as_dict()
+    return results
+
+
+def print_report(results: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"held-out greedy accuracy ({results['eval_problems']} problems)")
+    table.add_column("checkpoint")
+    table.add_column("accuracy", justify="right")
+    table.add_column("vs SFT", justify="right")
+    base = results["sft"]["accuracy"]
+    for key, label in (
+        ("sft", "SFT warm-up"),
+        ("grpo", "async GRPO"),
+        ("control_sft", "SFT control (same wall time)"),
+    ):
+        if key in results:
+            acc = results[key]["accuracy"]
+            table.add_row(label, f"{100 * acc:.1f}%", f"{100 * (acc - base):+.1f} pts")
+    Console().print(table)
