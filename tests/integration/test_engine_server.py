@@ -1,0 +1,401 @@
+"""`tidal serve` as a real process, driven by the one HTTP client, with the test process as weight sender.
+
+Every request the client builds is validated against SGLang's own definitions (``api_types.py`` where a
+generated type exists, else the request struct's fields in ``io_struct.py``, read with ``ast`` because
+that module cannot be imported without SGLang's runtime dependencies), and every response of the engine
+is parsed with SGLang's generated types.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import importlib.util
+import json
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tidal.model_config import ModelConfig
+from tidal.procs import free_port, python_cmd
+from tidal.rollout.embedded.model import NamedTensorLoader, build_model
+from tidal.rollout.http_client import SGLangClient
+from tidal.rollout.sglang_launcher import EngineProcess
+from tidal.weights_sync import bucket
+from tidal.weights_sync.transport import create_group
+
+pytestmark = pytest.mark.slow
+
+SGLANG = Path(importlib.util.find_spec("sglang").origin).parent
+MODEL = dict(
+    family="qwen3",
+    vocab_size=96,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=96,
+)
+SEED = 7
+MAX_SEQ = 96
+
+
+def _load_api_types():
+    spec = importlib.util.spec_from_file_location("sglang_api_types", SGLANG / "api" / "v1" / "api_types.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+API = _load_api_types()
+
+
+def _io_struct_fields() -> dict[str, tuple[set[str], set[str]]]:
+    """class name -> (all fields, required fields) of sglang/srt/managers/io_struct.py's request structs."""
+    tree = ast.parse((SGLANG / "srt" / "managers" / "io_struct.py").read_text())
+    out = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            fields, required = {"rid", "http_worker_ipc"}, set()
+            for stmt in node.body:
+                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                    fields.add(stmt.target.id)
+                    if stmt.value is None:
+                        required.add(stmt.target.id)
+            out[node.name] = (fields, required)
+    return out
+
+
+IO_STRUCT = _io_struct_fields()
+ROUTE_STRUCTS = {
+    "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
+    "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
+    "/begin_weight_update": "BeginWeightUpdateReqInput",
+    "/end_weight_update": "EndWeightUpdateReqInput",
+    "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+    "/update_weight_version": "UpdateWeightVersionReqInput",
+    "/pause_generation": "PauseGenerationReqInput",
+    "/continue_generation": "ContinueGenerationReqInput",
+    "/get_weights_by_name": "GetWeightsByNameReqInput",
+}
+
+
+class ValidatingClient(SGLangClient):
+    """The production client, with every request body checked against SGLang's definitions."""
+
+    validated: list[str] = []
+
+    def build(self, route, body):
+        if route == "/generate":
+            unknown = set(body) - set(API.GenerateRequest.__struct_fields__)
+            assert not unknown, f"/generate keys SGLang does not define: {unknown}"
+            API.GenerateRequest.from_json_value(json.loads(json.dumps(body)))
+        elif route == "/abort_request":
+            assert set(body) <= set(API.AbortRequest.__struct_fields__)
+            API.AbortRequest.from_json_value(body)
+        elif route in ROUTE_STRUCTS:
+            fields, required = IO_STRUCT[ROUTE_STRUCTS[route]]
+            assert set(body) <= fields, f"{route}: keys {set(body) - fields} not in SGLang's request"
+            assert required <= set(body), f"{route}: missing required {required - set(body)}"
+        elif body is not None:
+            raise AssertionError(f"no SGLang definition checked for {route}")
+        ValidatingClient.validated.append(route)
+        return body
+
+
+def parse_generate(raw: dict) -> object:
+    resp = API.GenerateResponse.from_json_value(raw)
+    assert resp.meta_info is not None and resp.meta_info.finish_reason is not None
+    assert not isinstance(resp.meta_info.finish_reason, dict), f"unknown finish reason {raw['meta_info']}"
+    return resp
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    port = free_port()
+    overrides = [f"model.{k}={v}" for k, v in MODEL.items()] + [
+        f"seed={SEED}",
+        "rollout.engine.max_batch_size=8",
+        f"rollout.engine.max_seq_len={MAX_SEQ}",
+        "rollout.engine.weight_update_timeout_s=60",
+    ]
+    cmd = python_cmd("serve", *overrides, "--port", str(port))
+    proc = EngineProcess(
+        cmd,
+        f"http://127.0.0.1:{port}",
+        log_path=tmp_path_factory.mktemp("engine") / "serve.log",
+        start_timeout_s=180,
+    )
+    asyncio.run(proc.start())
+    try:
+        yield proc
+    finally:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def local():
+    """The same random model in this process (same config and seed), and a loader for updates."""
+    lm = build_model(ModelConfig(**MODEL), seed=SEED, device="cpu", dtype="float32")
+    return lm, NamedTensorLoader(lm)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def greedy_reference(lm, prompt, n):
+    return lm.generate(
+        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+    )[0, len(prompt) :].tolist()
+
+
+def teacher_logprobs(lm, prompt, out):
+    with torch.no_grad():
+        logits = lm(torch.tensor([prompt + out])).logits[0]
+    return (
+        torch.log_softmax(logits, -1)[len(prompt) - 1 : -1].gather(1, torch.tensor(out)[:, None]).squeeze(1)
+    )
+
+
+def test_generate_matches_local_model_and_parses_as_sglang(engine, local):
+    lm, _ = local
+
+    async def go():
+        client = ValidatingClient(engine.url)
+        try:
+            prompts = [[1, 2, 3, 4], [9, 8, 7, 6, 5, 4], [11, 12]]
+            results = await asyncio.gather(
+                *[client.generate(p, {"max_new_tokens": 12, "temperature": 0.0}) for p in prompts]
+            )
+            info = await client.model_info()
+            API.GetModelInfoResponse.from_json_value(info)
+            API.GetServerInfoResponse.from_json_value(await client.server_info())
+            return prompts, results, info
+        finally:
+            await client.close()
+
+    prompts, results, info = run(go())
+    assert info["weight_version"] == "default" and info["model_type"] == "qwen3"
+    for prompt, res in zip(prompts, results, strict=True):
+        parse_generate(res.raw)
+        assert res.output_ids == greedy_reference(lm, prompt, 12)
+        assert torch.allclose(
+            torch.tensor(res.output_logprobs), teacher_logprobs(lm, prompt, res.output_ids), atol=1e-4
+        )
+        assert res.finish_reason == {"type": "length", "length": 12}
+        assert res.token_versions == ["default"] * 12
+    # a batch body returns a list, one response per prompt, each an SGLang GenerateResponse
+    raw = httpx.post(
+        f"{engine.url}/generate",
+        json={"input_ids": prompts[:2], "sampling_params": {"max_new_tokens": 3, "temperature": 0}},
+        timeout=60,
+    ).json()
+    assert [r["output_ids"] for r in raw] == [res.output_ids[:3] for res in results[:2]]
+    for r in raw:
+        parse_generate(r)
+
+
+def test_bad_requests_get_400_with_a_message_and_the_server_keeps_serving(engine):
+    url = engine.url
+    cases = [
+        (
+            "/generate",
+            {"input_ids": [1, 500], "sampling_params": {"max_new_tokens": 2}},
+            "outside the vocabulary",
+        ),
+        ("/generate", {"input_ids": [1], "sampling_params": {"top_p": 2}}, "top_p"),
+        ("/generate", {"input_ids": [1], "sampling_params": {"nonsense": 1}}, "nonsense"),
+        ("/generate", {"input_ids": list(range(MAX_SEQ))}, "context length"),
+        ("/generate", {"text": "hello"}, "no tokenizer"),
+        ("/generate", {"sampling_params": {}}, "text or input_ids"),
+        ("/pause_generation", {"mode": "sideways"}, "mode"),
+        (
+            "/update_weights_from_distributed",
+            {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "nope"},
+            "init_weights_update_group",
+        ),
+        ("/destroy_weights_update_group", {"group_name": "nope"}, "nope"),
+        ("/get_weights_by_name", {"name": "model.nothing"}, "unknown parameter name"),
+    ]
+    for route, body, needle in cases:
+        resp = httpx.post(url + route, json=body, timeout=30)
+        assert resp.status_code == 400, (route, body, resp.text)
+        assert needle in resp.text, (route, resp.text)
+    resp = httpx.post(url + "/generate", content=b"{not json", timeout=30)
+    assert resp.status_code == 400 and "not valid JSON" in resp.text
+    ok = httpx.post(
+        url + "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}, timeout=60
+    )
+    assert ok.status_code == 200
+    parse_generate(ok.json())
+
+
+def _sender_group(port, group_name, holder):
+    holder["group"] = create_group(
+        master_address="127.0.0.1",
+        master_port=port,
+        rank=0,
+        world_size=2,
+        group_name=group_name,
+        timeout_s=60,
+    )
+
+
+def test_weight_updates_from_this_process_reach_the_model_mid_request(engine, local):
+    lm, loader = local
+    group_name = "tidal-test"
+    port = free_port()
+    new = {
+        name: torch.randn_like(p) * 0.2
+        for name, p in lm.named_parameters()
+        if name.startswith("model.layers.1.")
+    }
+    everything = [(name, torch.randn_like(p) * 0.2) for name, p in lm.named_parameters()]
+
+    async def broadcast_with(coro, tensors):
+        def send():
+            for t in tensors:
+                holder["group"].broadcast(t, src=0)
+
+        await asyncio.gather(coro, asyncio.to_thread(send))
+
+    holder: dict = {}
+
+    async def go():
+        client = ValidatingClient(engine.url)
+        try:
+            assert await client.needs_weight_update_session()
+            sender = threading.Thread(target=_sender_group, args=(port, group_name, holder))
+            sender.start()
+            await client.init_weights_update_group(
+                master_address="127.0.0.1",
+                master_port=port,
+                rank_offset=1,
+                world_size=2,
+                group_name=group_name,
+                backend="gloo",
+            )
+            await asyncio.to_thread(sender.join, 60)
+
+            # a long request in flight across an in-place update: its later tokens carry the new version
+            long = asyncio.create_task(client.generate([5, 6, 7], {"max_new_tokens": 60, "temperature": 0.0}))
+            await asyncio.sleep(0.3)
+            await client.pause("in_place")
+            names = list(new)
+            async with client.weight_update_session():
+                await broadcast_with(
+                    client.update_weights_from_distributed(
+                        names=names,
+                        dtypes=["float32"] * len(names),
+                        shapes=[list(new[n].shape) for n in names],
+                        group_name=group_name,
+                        weight_version="1",
+                    ),
+                    [new[n] for n in names],
+                )
+            await client.resume()
+            long_result = await long
+            first_name = names[0]
+            served = await client.get_weights_by_name(first_name, truncate_size=4)
+            after_first = await client.generate([1, 2, 3], {"max_new_tokens": 10, "temperature": 0.0})
+
+            # the whole model as one flattened bucket, not paused: SGLang's drain semantics
+            buf, spec = bucket.pack(everything)
+            await broadcast_with(
+                client.update_weights_from_distributed(
+                    names=spec.names,
+                    dtypes=spec.dtypes,
+                    shapes=spec.shapes,
+                    group_name=group_name,
+                    weight_version="2",
+                    load_format="flattened_bucket",
+                ),
+                [buf],
+            )
+            after_second = await client.generate([1, 2, 3], {"max_new_tokens": 10, "temperature": 0.0})
+
+            # a wrong name is received (the sender's broadcast completes), then refused, naming it
+            bad = torch.zeros(3)
+            with pytest.raises(Exception, match="model.layers.0.bogus"):
+                await broadcast_with(
+                    client.update_weights_from_distributed(
+                        names=["model.layers.0.bogus"],
+                        dtypes=["float32"],
+                        shapes=[[3]],
+                        group_name=group_name,
+                    ),
+                    [bad],
+                )
+            info = await client.model_info()
+            await client.destroy_weights_update_group(group_name)
+            return names, long_result, served, after_first, after_second, info
+        finally:
+            holder["group"].destroy() if "group" in holder else None
+            await client.close()
+
+    names, long_result, served, after_first, after_second, info = run(go())
+    parse_generate(long_result.raw)
+    spans = long_result.raw["meta_info"]["weight_versions"]
+    assert (
+        [s["version"] for s in spans] == ["default", "1"]
+        and spans[0]["start"] == 0
+        and spans[-1]["end"] == 60
+    )
+    assert long_result.token_versions == ["default"] * spans[0]["end"] + ["1"] * (60 - spans[0]["end"])
+    assert long_result.weight_version == "1"
+
+    loader.load(list(new.items()))
+    assert torch.allclose(torch.tensor(served), new[names[0]][:4], atol=1e-6)
+    assert after_first.output_ids == greedy_reference(lm, [1, 2, 3], 10)
+    assert after_first.token_versions == ["1"] * 10
+    loader.load(everything)
+    assert after_second.output_ids == greedy_reference(lm, [1, 2, 3], 10)
+    assert torch.allclose(
+        torch.tensor(after_second.output_logprobs),
+        teacher_logprobs(lm, [1, 2, 3], after_second.output_ids),
+        atol=1e-4,
+    )
+    assert after_second.weight_version == "2" and info["weight_version"] == "2"
+    # a request that began under one version and ended under the next: both kept as versions of its tokens
+    assert {
+        "/update_weights_from_distributed",
+        "/begin_weight_update",
+        "/end_weight_update",
+        "/init_weights_update_group",
+    } <= set(ValidatingClient.validated)
+
+
+def test_abort_request_and_pause_abort_return_partial_outputs(engine):
+    async def go():
+        client = ValidatingClient(engine.url)
+        try:
+            a = asyncio.create_task(
+                client.generate([3, 4], {"max_new_tokens": 80, "temperature": 0.0}, rid="to-abort")
+            )
+            b = asyncio.create_task(client.generate([3, 5], {"max_new_tokens": 80, "temperature": 0.0}))
+            await asyncio.sleep(0.3)
+            await client.abort("to-abort")
+            ra = await a
+            await client.pause("abort")
+            rb = await b
+            late = asyncio.create_task(client.generate([3, 6], {"max_new_tokens": 2, "temperature": 0.0}))
+            await asyncio.sleep(0.2)
+            assert not late.done(), "a request ran while generation was paused"
+            await client.resume()
+            late_result = await late
+            return ra, rb, late_result, await client.flush_cache()
+        finally:
+            await client.close()
+
+    ra, rb, late, flushed = run(go())
+    for r in (ra, rb):
+        parse_generate(r.raw)
+        assert r.aborted and len(r.output_ids) < 80 and len(r.output_logprobs) == len(r.output_ids)
+    assert ra.rid == "to-abort"
+    assert late.finish_reason == {"type": "length", "length": 2}
+    assert flushed
