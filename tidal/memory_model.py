@@ -446,21 +446,42 @@ def estimate(
 # checking the estimate against a real run
 
 
-def load_measured(path: str | Path) -> dict[int, int]:
-    """Peak bytes per pipeline stage from a run's ``peak_memory.json``.
+PEAK_DIR = "peak_memory"
 
-    The file holds ``{"ranks": [{"rank": 0, "pp_rank": 0, "peak_bytes": 123}, ...]}``, written by the
-    trainer from ``torch.cuda.max_memory_allocated()`` (or the CPU allocator's peak) at the end of a
-    step; the largest peak of the ranks of each pipeline stage is kept.
+
+def write_peak(run_dir: str | Path, rank: int, pp_rank: int, peak_bytes: int) -> Path:
+    """What a trainer rank calls after a step to record its peak memory (one file per rank, no races).
+
+    On CUDA ``peak_bytes`` is ``torch.cuda.max_memory_allocated()``. On CPU torch keeps no such counter:
+    use the profiler's memory view (``torch.profiler.profile(profile_memory=True)``), not the RSS, which
+    holds hundreds of MB of interpreter and libraries next to a tiny model's few MB.
     """
-    data = json.loads(Path(path).read_text())
+    path = Path(run_dir) / PEAK_DIR / f"rank{rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"rank": rank, "pp_rank": pp_rank, "peak_bytes": int(peak_bytes)}))
+    return path
+
+
+def load_measured(path: str | Path) -> dict[int, int]:
+    """Peak bytes per pipeline stage: the largest peak among the ranks of each stage.
+
+    ``path`` is a run directory or its ``peak_memory/`` folder (one ``rank<N>.json`` per rank, written by
+    :func:`write_peak`), or one JSON file ``{"ranks": [{"rank": 0, "pp_rank": 0, "peak_bytes": 123}]}``.
+    """
+    path = Path(path)
+    if path.is_dir():
+        folder = path / PEAK_DIR if (path / PEAK_DIR).is_dir() else path
+        entries = [json.loads(f.read_text()) for f in sorted(folder.glob("rank*.json"))]
+    else:
+        entries = json.loads(path.read_text()).get("ranks", [])
     peaks: dict[int, int] = {}
-    for entry in data.get("ranks", []):
+    for entry in entries:
         stage = int(entry.get("pp_rank", 0))
         peaks[stage] = max(peaks.get(stage, 0), int(entry["peak_bytes"]))
     if not peaks:
         raise ValueError(
-            f"{path}: no ranks with peak_bytes; expected {{'ranks': [{{'pp_rank', 'peak_bytes'}}]}}"
+            f"{path}: no peak_bytes found; expected a run directory with peak_memory/rank<N>.json files "
+            "or a file {'ranks': [{'rank', 'pp_rank', 'peak_bytes'}]}"
         )
     return peaks
 

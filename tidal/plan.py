@@ -1,13 +1,13 @@
 """Check the trainer's mesh and estimate the memory of each GPU.
 
 usage: tidal plan CONFIG.yaml [key=value ...] [--gpus N] [--gpu-mem 141GB] [--reserve 6GB]
-                  [--suggest 5] [--measured RUN/peak_memory.json]
+                  [--suggest 5] [--measured RUN_DIR]
 
 --gpus      world size to plan for (default: trainer.nproc * trainer.nnodes)
 --gpu-mem   memory of one GPU (GB and GiB both mean 2^30 bytes, as vendors' "141GB" H200 does)
 --reserve   kept free for the CUDA context, NCCL buffers and allocator fragmentation
 --suggest   how many of the nearest legal meshes that fit to list when the configured one does not
---measured  a run's per-rank peak memory, printed next to the estimate with the error
+--measured  a run directory (peak_memory/rank<N>.json) or file; measured peaks next to the estimate
 
 Exit status: 0 the mesh is legal and fits (with or without full recompute), 1 it is legal but does not
 fit, 2 the config or the mesh is illegal (each broken rule is named).
@@ -52,7 +52,9 @@ class PlanOptions(BaseModel):
     gpu_mem_gib: float = Field(141.0, gt=0, description="memory of one GPU (H200)")
     reserve_gib: float = Field(6.0, ge=0, description="CUDA context, NCCL buffers, fragmentation")
     suggest: int = Field(5, ge=0, description="nearest fitting meshes listed when the mesh does not fit")
-    measured: str | None = Field(None, description="peak_memory.json of a run, compared with the estimate")
+    measured: str | None = Field(
+        None, description="a run directory or peak-memory file, compared with the estimate"
+    )
 
     @property
     def budget(self) -> float:

@@ -19,6 +19,7 @@ from tidal.memory_model import (
     parallelism,
     stage_layers,
     total_params,
+    write_peak,
 )
 from tidal.model_config import ModelConfig
 from tidal.trainer.mesh import MeshConfig
@@ -167,3 +168,11 @@ def test_load_measured_names_the_expected_format(tmp_path):
     path.write_text("{}")
     with pytest.raises(ValueError, match="peak_bytes"):
         load_measured(path)
+
+
+def test_ranks_write_their_peaks_and_the_plan_reads_a_run_directory(tmp_path):
+    write_peak(tmp_path, rank=0, pp_rank=0, peak_bytes=100)
+    write_peak(tmp_path, rank=1, pp_rank=0, peak_bytes=300)
+    write_peak(tmp_path, rank=2, pp_rank=1, peak_bytes=200)
+    assert load_measured(tmp_path) == {0: 300, 1: 200}
+    assert load_measured(tmp_path / "peak_memory") == {0: 300, 1: 200}
