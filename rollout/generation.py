@@ -9,10 +9,19 @@ concatenated, so every token keeps the version that produced it.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from tidal.rollout.config import AgentConfig
+from tidal.rollout.engine import GenerateResult
+from tidal.rollout.engine_pool import EnginePool, EngineRejected, EngineUnavailable
+
+log = logging.getLogger(__name__)
 
 
 class SampleFailed(RuntimeError):
@@ -30,29 +39,6 @@ def parse_version(version: Any) -> int:
         return 0
 
 
-def token_versions(meta_info: dict[str, Any], num_tokens: int) -> np.ndarray:
-    """Per-token policy versions of one response, from SGLang's ``weight_versions`` spans
-    (``[{"version", "start", "end"}]`` over output tokens) or, without spans, its ``weight_version``."""
-    versions = np.full(num_tokens, parse_version(meta_info.get("weight_version")), dtype=np.int32)
-    for span in meta_info.get("weight_versions") or []:
-        if isinstance(span, dict):
-            version, start, end = span.get("version"), span.get("start", 0), span.get("end", 0)
-        else:  # msgspec's array-like encoding [version, start, end]
-            version, start, end = span
-        versions[max(0, int(start)) : min(num_tokens, int(end))] = parse_version(version)
-    return versions
-
-
-def finish_type(meta_info: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """SGLang's ``finish_reason`` ({"type": "stop" | "length" | "abort", ...} or None) -> (type, details)."""
-    reason = meta_info.get("finish_reason")
-    if reason is None:
-        return "abort", {}
-    if isinstance(reason, str):
-        return reason, {}
-    return str(reason.get("type", "abort")), reason
-
-
 @dataclass
 class Segment:
     """What one ``/generate`` call produced."""
@@ -64,24 +50,19 @@ class Segment:
     finish_details: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_response(cls, response: dict[str, Any]) -> Segment:
-        meta = response.get("meta_info") or {}
-        entries = meta.get("output_token_logprobs") or []
-        token_ids = response.get("output_ids")
-        if token_ids is None:
-            token_ids = [int(e[1]) for e in entries]
-        if len(entries) != len(token_ids):
+    def from_result(cls, result: GenerateResult) -> Segment:
+        n = len(result.output_ids)
+        if len(result.output_logprobs) != n or any(math.isnan(lp) for lp in result.output_logprobs):
             raise SampleFailed(
-                f"engine returned {len(token_ids)} output ids but {len(entries)} logprobs; "
+                f"engine returned {n} output ids but {len(result.output_logprobs)} logprobs (or nulls); "
                 "requests must set return_logprob=true"
             )
-        reason, details = finish_type(meta)
         return cls(
-            token_ids=[int(t) for t in token_ids],
-            logprobs=[float(e[0]) if e[0] is not None else 0.0 for e in entries],
-            versions=token_versions(meta, len(token_ids)),
-            finish_reason=reason,
-            finish_details=details,
+            token_ids=[int(t) for t in result.output_ids],
+            logprobs=[float(lp) for lp in result.output_logprobs],
+            versions=np.array([parse_version(v) for v in result.token_versions], dtype=np.int32),
+            finish_reason=result.finish_type or "abort",
+            finish_details=dict(result.finish_reason),
         )
 
 
@@ -97,6 +78,7 @@ class PartialResponse:
     finish_reason: str | None = None
     segments: int = 0
     resumes: int = 0  # segments that ended in abort and were continued
+    retries: int = 0  # requests lost with their engine and sent again
 
     @property
     def remaining(self) -> int:
@@ -136,3 +118,46 @@ def sampling_params(
     if stop_token_ids:
         params["stop_token_ids"] = list(stop_token_ids)
     return params
+
+
+async def generate(
+    pool: EnginePool,
+    prompt_ids: list[int],
+    *,
+    max_new_tokens: int,
+    sampling: dict[str, Any],
+    stop_token_ids: list[int],
+    limits: AgentConfig,
+) -> PartialResponse:
+    """One response to ``prompt_ids``: segments until it stops, resuming aborts and engine failures."""
+    partial = PartialResponse(list(prompt_ids), max_new_tokens)
+    backoff = limits.resume_backoff_s
+    while not partial.done:
+        params = sampling_params(sampling, partial, stop_token_ids)
+        try:
+            async with pool.slot() as slot:
+                result = await pool.generate(slot, partial.request_input_ids(), params)
+        except EngineUnavailable as exc:
+            partial.retries += 1
+            if partial.retries > limits.max_retries:
+                raise SampleFailed(f"{partial.retries} engine failures, the last: {exc}") from exc
+            log.warning("resending a request (%d/%d): %s", partial.retries, limits.max_retries, exc)
+            continue
+        except EngineRejected as exc:
+            raise SampleFailed(str(exc)) from exc
+        segment = Segment.from_result(result)
+        partial.add(segment)
+        if partial.done:
+            break
+        # an aborted segment: a weight update in abort mode, or the engine refusing the request
+        status = segment.finish_details.get("status_code")
+        if isinstance(status, int) and 400 <= status < 500:
+            raise SampleFailed(f"engine aborted the request: {segment.finish_details.get('message')}")
+        if partial.resumes > limits.max_resumes:
+            raise SampleFailed(f"aborted {partial.resumes} times (rollout.agent.max_resumes)")
+        if segment.token_ids:
+            backoff = limits.resume_backoff_s
+        else:
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+    return partial

@@ -1,0 +1,325 @@
+"""The rollout node agent: leases prompt groups from the broker, samples them on the node's engines,
+scores them and submits whole groups.
+
+One asyncio loop runs three kinds of work: a heartbeat (keeps the node alive, extends its leases, learns
+the policy version and whether the data is exhausted), a lease loop (asks for as many groups as the
+engines can take), and one task per leased group (its ``n`` samples run concurrently, each request
+through the engine pool's concurrency limit; the scored group is submitted as soon as it is whole).
+
+Weight updates are driven by the trainer's sender straight over the engines' HTTP routes. In
+``in_place`` mode requests keep going and the engine stamps each token with the version that produced it
+(``meta_info.weight_versions``); in ``abort`` mode the engine returns partial outputs with
+``finish_reason: abort`` and :mod:`tidal.rollout.generation` resumes them. The agent does the same in
+both modes, so it reports its mode at registration for the sender to read.
+
+SIGTERM (or SIGINT) stops leasing, lets in-flight groups finish for ``rollout.agent.drain_timeout_s``,
+releases the groups that did not, and leaves; a second signal skips the wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tidal.broker.client import AsyncBrokerClient, BrokerError, LeaseRejected
+from tidal.broker.types import Group, PromptGroup, PromptRow, Sample
+from tidal.rollout.config import RolloutConfig
+from tidal.rollout.engine_pool import EnginePool, EngineUnavailable
+from tidal.rollout.generation import SampleFailed, generate
+from tidal.rollout.tasks import Task
+
+log = logging.getLogger("tidal.rollout.agent")
+
+
+@dataclass
+class AgentStats:
+    leases: int = 0
+    groups_submitted: int = 0
+    groups_rejected: int = 0  # the broker had already re-leased them
+    groups_released: int = 0
+    groups_failed: int = 0
+    samples: int = 0
+    tokens: int = 0
+    resumes: int = 0
+    retries: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _InFlight:
+    lease_id: str
+    group: PromptGroup
+    task: asyncio.Task
+
+
+class RolloutAgent:
+    def __init__(
+        self,
+        config: RolloutConfig,
+        client: AsyncBrokerClient,
+        pool: EnginePool,
+        task: Task,
+        *,
+        name: str | None = None,
+        group_size_hint: int = 8,
+    ) -> None:
+        self.config = config
+        self.agent_cfg = config.agent
+        self.client = client
+        self.pool = pool
+        self.task = task
+        self.name = name or f"{socket.gethostname()}-{os.getpid()}"
+        self.stats = AgentStats()
+        self.policy_version = 0
+        self.data_finished = False
+        self.inflight: dict[str, _InFlight] = {}
+        self.stop_requested = asyncio.Event()
+        self._hurry = asyncio.Event()  # a second signal: skip the drain
+        self._changed = asyncio.Event()
+        self._group_size = group_size_hint
+        self._base_sampling = {
+            "temperature": config.sampling.temperature,
+            "top_p": config.sampling.top_p,
+            "top_k": config.sampling.top_k,
+        }
+
+    # --- capacity --------------------------------------------------------------------------------
+
+    @property
+    def max_inflight_groups(self) -> int:
+        if self.agent_cfg.max_inflight_groups is not None:
+            return self.agent_cfg.max_inflight_groups
+        return math.ceil(self.pool.capacity / max(1, self._group_size)) + 1
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        if self.stop_requested.is_set():
+            self._hurry.set()
+        self.stop_requested.set()
+        self._changed.set()
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+
+    async def run(self) -> int:
+        """Register, work until stopped or the data is exhausted, drain, leave. Returns an exit code."""
+        await self._register()
+        log.info(
+            "node %s (%s) registered with %d engine(s): %s; policy version %d",
+            self.client.node_id,
+            self.name,
+            len(self.pool.slots),
+            ", ".join(self.pool.urls),
+            self.policy_version,
+        )
+        heartbeat = asyncio.create_task(self._heartbeat_loop())
+        code = 0
+        try:
+            await self._lease_loop()
+        except EngineUnavailable as exc:
+            log.error("no engine left to sample with: %s", exc)
+            code = 1
+        finally:
+            await self._drain()
+            heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await heartbeat
+            with contextlib.suppress(BrokerError):
+                await self.client.leave()
+            self._log_progress("stopped")
+        return code
+
+    async def _register(self) -> None:
+        meta = {
+            "engines": self.pool.urls,
+            "update_mode": self.config.update_mode,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+        }
+        await self.client.register("rollout", self.name, meta)
+        hb = await self.client.heartbeat()
+        self.policy_version = int(hb.get("policy_version", 0))
+
+    # --- loops -----------------------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        last_log = time.monotonic()
+        while True:
+            await asyncio.sleep(self.config.heartbeat_s)
+            try:
+                hb = await self.client.heartbeat()
+            except BrokerError as exc:
+                if exc.code == "not_registered":  # the broker restarted: join again
+                    log.warning("the broker forgot this node; registering again")
+                    with contextlib.suppress(BrokerError):
+                        await self._register()
+                else:
+                    log.warning("heartbeat failed: %s", exc)
+                continue
+            self.policy_version = int(hb.get("policy_version", self.policy_version))
+            if hb.get("finished"):
+                self.data_finished = True
+                self._changed.set()
+            if time.monotonic() - last_log > 30:
+                last_log = time.monotonic()
+                self._log_progress("running")
+
+    async def _lease_loop(self) -> None:
+        while not self.stop_requested.is_set():
+            if self.data_finished and not self.inflight:
+                log.info("the broker has no more prompts; stopping")
+                return
+            free = self.max_inflight_groups - len(self.inflight)
+            if free <= 0 or self.data_finished:
+                await self._wait_change(None)
+                continue
+            try:
+                lease = await self.client.lease(min(free, self.agent_cfg.max_groups_per_lease))
+            except BrokerError as exc:
+                log.warning("lease failed: %s", exc)
+                await self._wait_change(self.agent_cfg.lease_poll_s)
+                continue
+            if lease is None:
+                await self._wait_change(self.agent_cfg.lease_poll_s)
+                continue
+            self.stats.leases += 1
+            for pg in lease.groups:
+                self._group_size = pg.n
+                t = asyncio.create_task(self._run_group(lease.lease_id, pg), name=f"group {pg.group_id}")
+                self.inflight[pg.group_id] = _InFlight(lease.lease_id, pg, t)
+
+    async def _wait_change(self, timeout: float | None) -> None:
+        self._changed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout)
+
+    async def _drain(self) -> None:
+        """Let in-flight groups finish (bounded), then cancel and release what is left."""
+        if self.inflight and not self._hurry.is_set():
+            log.info(
+                "finishing %d in-flight group(s) (up to %.0fs)",
+                len(self.inflight),
+                self.agent_cfg.drain_timeout_s,
+            )
+            pending = [f.task for f in self.inflight.values()]
+            hurry = asyncio.create_task(self._hurry.wait())
+            await asyncio.wait(
+                [asyncio.gather(*pending, return_exceptions=True), hurry],
+                timeout=self.agent_cfg.drain_timeout_s,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            hurry.cancel()
+        left = list(self.inflight.values())
+        for f in left:
+            f.task.cancel()
+        await asyncio.gather(*(f.task for f in left), return_exceptions=True)
+        by_lease: dict[str, list[str]] = {}
+        for f in left:
+            by_lease.setdefault(f.lease_id, []).append(f.group.group_id)
+        for lease_id, ids in by_lease.items():
+            await self._release(lease_id, ids)
+
+    # --- one group -------------------------------------------------------------------------------
+
+    async def _run_group(self, lease_id: str, pg: PromptGroup) -> None:
+        try:
+            group = await self._sample_group(pg)
+        except asyncio.CancelledError:
+            raise
+        except (SampleFailed, EngineUnavailable, ValueError) as exc:
+            self.stats.groups_failed += 1
+            log.error("group %s goes back to the broker: %s", pg.group_id, exc)
+            await self._release(lease_id, [pg.group_id])
+            self._done(pg.group_id)
+            return
+        self._done(pg.group_id)  # from here on the group is the broker's, not in flight
+        try:
+            await self.client.submit(lease_id, [group])
+            self.stats.groups_submitted += 1
+        except LeaseRejected as exc:
+            self.stats.groups_rejected += 1
+            log.warning("group %s dropped: %s", pg.group_id, exc)
+        except BrokerError as exc:
+            self.stats.groups_failed += 1
+            log.error("submitting group %s failed: %s", pg.group_id, exc)
+
+    def _done(self, group_id: str) -> None:
+        self.inflight.pop(group_id, None)
+        self._changed.set()
+
+    async def _release(self, lease_id: str, group_ids: list[str]) -> None:
+        try:
+            await self.client.release(lease_id, group_ids)
+            self.stats.groups_released += len(group_ids)
+        except BrokerError as exc:
+            log.warning("release of %s failed (the lease will expire instead): %s", group_ids, exc)
+
+    async def _sample_group(self, pg: PromptGroup) -> Group:
+        prompt_ids = self.task.prompt_ids(pg.row)
+        jobs = [asyncio.create_task(self._sample(pg.row, prompt_ids)) for _ in range(pg.n)]
+        try:
+            samples = await asyncio.gather(*jobs)
+        except BaseException:
+            for j in jobs:
+                j.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)
+            raise
+        return Group(
+            group_id=pg.group_id,
+            samples=samples,
+            meta={"node": self.name, "row": pg.row.index, "data_source": pg.row.data_source},
+        )
+
+    async def _sample(self, row: PromptRow, prompt_ids: list[int]) -> Sample:
+        partial = await generate(
+            self.pool,
+            prompt_ids,
+            max_new_tokens=self.config.sampling.max_new_tokens,
+            sampling=self._base_sampling,
+            stop_token_ids=self.task.stop_token_ids,
+            limits=self.agent_cfg,
+        )
+        score = await self.task.score(row, partial.token_ids)
+        self.stats.samples += 1
+        self.stats.tokens += len(partial.token_ids)
+        self.stats.resumes += partial.resumes
+        self.stats.retries += partial.retries
+        return Sample(
+            prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
+            response_ids=np.asarray(partial.token_ids, dtype=np.int32),
+            logprobs=np.asarray(partial.logprobs, dtype=np.float32),
+            versions=partial.version_array(),
+            reward=score.reward,
+            finish_reason=partial.finish_reason or "abort",
+            meta={"segments": partial.segments, "resumes": partial.resumes, **score.metrics},
+        )
+
+    def _log_progress(self, what: str) -> None:
+        s = self.stats
+        elapsed = max(1e-9, time.monotonic() - s.started)
+        log.info(
+            "%s: %d groups submitted, %d rejected, %d released, %d failed; %d samples, %.1f tokens/s; "
+            "%d resumes, %d retries; policy version %d",
+            what,
+            s.groups_submitted,
+            s.groups_rejected,
+            s.groups_released,
+            s.groups_failed,
+            s.samples,
+            s.tokens / elapsed,
+            s.resumes,
+            s.retries,
+            self.policy_version,
+        )

@@ -1,0 +1,166 @@
+"""Broker + rollout nodes (each with its own embedded engine) + a test consumer, all real processes.
+
+The consumer plays the trainer: it pulls batches and publishes a new policy version after each, which
+(with max_staleness=0) is what lets the broker lease the next batch's prompts. That makes the schedule
+deterministic: node a fills batch 0, then takes a lease it never finishes (its engine is frozen) and is
+SIGKILLed; node b joins late and must deliver every remaining prompt, a's included.
+"""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tidal.broker.client import BrokerClient
+from tidal.broker.testing import start_broker
+from tidal.procs import kill_tree, python_cmd, spawn, stop, tail
+from tidal.rollout.tasks.arithmetic import make_records
+
+GROUP_SIZE = 4
+BATCH_GROUPS = 4
+NUM_PROMPTS = 16
+MAX_NEW_TOKENS = 6
+
+
+def child_pids(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def start_node(tmp_path: Path, address: str, name: str):
+    cmd = python_cmd(
+        "rollout",
+        "configs/tiny.yaml",
+        f"run_dir={tmp_path / 'run'}",
+        f"rollout.sampling.max_new_tokens={MAX_NEW_TOKENS}",
+        "rollout.heartbeat_s=0.5",
+        "rollout.agent.lease_poll_s=0.1",
+        "rollout.agent.drain_timeout_s=10",
+        "--broker",
+        address,
+        "--name",
+        name,
+    )
+    return spawn(cmd, log_path=tmp_path / f"node-{name}.log")
+
+
+def wait_until(predicate, timeout_s: float, what: str, logs=()):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(
+        f"timed out after {timeout_s}s waiting for {what}\n" + "\n".join(tail(p) for p in logs)
+    )
+
+
+def node_named(stats: dict, name: str) -> dict | None:
+    return next((n for n in stats["nodes"].values() if n["name"] == name), None)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_nodes_deliver_every_prompt_once_through_a_sigkill_and_a_late_join(tmp_path):
+    rows, _ = make_records(digits=2, num_train=NUM_PROMPTS, num_eval=4, seed=0)
+    broker, address = start_broker(
+        tmp_path / "broker",
+        rows=rows,
+        group_size=GROUP_SIZE,
+        batch_groups=BATCH_GROUPS,
+        max_staleness=0,
+        staleness_policy="keep",  # the engines never get new weights here; keep their version-0 groups
+        lease_timeout_s=3.0,
+        node_timeout_s=2.0,
+        data={"epochs": 1, "shuffle": False},
+    )
+    logs = [tmp_path / "node-a.log", tmp_path / "node-b.log", tmp_path / "broker" / "broker.log"]
+    node_a = node_b = None
+    consumer = BrokerClient(address, timeout_s=10.0)
+    try:
+        consumer.register("trainer", "test-consumer")
+        node_a = start_node(tmp_path, address, "a")
+
+        def next_batch(after: int, timeout_s: float = 120.0):
+            return wait_until(
+                lambda: consumer.get_batch(after, timeout_s=0.5), timeout_s, f"batch {after + 1}", logs
+            )
+
+        batches = [next_batch(-1)]
+        assert {g.meta["node"] for g in batches[0].groups} == {"a"}
+
+        # freeze a's engine, open the next batch, and let a lease it: those prompts are now on a
+        engines_a = child_pids(node_a.pid)
+        assert len(engines_a) == 1, f"node a should run one engine child, has {engines_a}"
+        os.kill(engines_a[0], signal.SIGSTOP)
+        consumer.publish_version(1)
+        wait_until(
+            lambda: (node_named(consumer.stats(), "a") or {}).get("groups_in_flight") == BATCH_GROUPS,
+            30,
+            "node a to hold a lease of a whole batch",
+            logs,
+        )
+        kill_tree(node_a, signal.SIGKILL)  # the agent and its engine (same process group)
+        node_a.wait(10)
+        wait_until(lambda: not alive(engines_a[0]), 10, "node a's engine to die with it")
+
+        node_b = start_node(tmp_path, address, "b")  # joins late
+        while True:
+            batch = next_batch(batches[-1].batch_id)
+            batches.append(batch)
+            consumer.publish_version(batch.batch_id + 1)
+            if sum(len(b.groups) for b in batches) == NUM_PROMPTS:
+                break
+
+        groups = [g for b in batches for g in b.groups]
+        rows_seen = sorted(g.meta["row"] for g in groups)
+        assert rows_seen == list(range(NUM_PROMPTS)), "every prompt exactly once"
+        assert {g.meta["node"] for b in batches[1:] for g in b.groups} == {"b"}
+        stats = consumer.stats()
+        assert stats["finished"]
+        assert stats["counters"]["expired_leases"] >= 1  # a's lease went back to the queue
+
+        prompts = {i: r["prompt"] for i, r in enumerate(rows)}
+        for g in groups:
+            assert len(g.samples) == GROUP_SIZE
+            for s in g.samples:
+                n = s.response_ids.size
+                assert 1 <= n <= MAX_NEW_TOKENS
+                assert s.logprobs.shape == (n,) and s.versions.shape == (n,)
+                assert np.all(s.logprobs <= 0) and np.all(s.versions == 0)
+                assert s.finish_reason in ("stop", "length")
+                assert s.reward in (0.0, 1.0)
+                # prompt ids are <bos> + one token per character of the row's prompt
+                assert s.prompt_ids.size == 1 + len(prompts[g.meta["row"]])
+                assert s.finish_reason == "length" or s.response_ids[-1] == 2  # stops on <eos>
+
+        engines_b = child_pids(node_b.pid)
+        assert stop(node_b, timeout_s=30) == 0  # SIGTERM: drains, leaves, stops its engine
+        assert not any(alive(p) for p in engines_b)
+        assert node_named(consumer.stats(), "b") is None  # it left the broker
+    finally:
+        for proc in (node_a, node_b):
+            if proc is not None:
+                stop(proc)
+        consumer.close()
+        stop(broker)

@@ -1,0 +1,137 @@
+"""Generation through the node's engine pool across weight updates and an engine crash, on a real
+embedded engine (``tidal serve`` started by the pool, as a node starts it).
+
+- abort mode: in-flight requests come back aborted with partial output; the agent resumes them from
+  prompt + partial output; the tokens before the update keep version 0, the rest get version 1;
+- in_place mode: requests keep running; one segment carries both versions (the engine's spans);
+- crash: the engine process is SIGKILLed mid-request; the pool restarts it on the same URL and the
+  requests are resent and finish.
+"""
+
+import asyncio
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from tidal.config import RunConfig
+from tidal.configio import load_config
+from tidal.rollout.generation import generate
+from tidal.rollout.main import build_pool
+
+MAX_NEW_TOKENS = 40
+PROMPT = [1, 4, 11, 14, 8, 9, 17]  # "<bos>07+45=" in the arithmetic tokenizer
+SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
+
+
+def _config(tmp_path) -> RunConfig:
+    return load_config(
+        RunConfig,
+        "configs/tiny.yaml",
+        [
+            f"run_dir={tmp_path}",
+            "model.max_position_embeddings=64",
+            "rollout.engine.max_seq_len=64",
+            "rollout.engine.max_batch_size=8",
+            "rollout.agent.engine_start_timeout_s=120",
+            "rollout.agent.request_timeout_s=120",
+        ],
+    )
+
+
+async def _running(client) -> int:
+    return (await client.server_info())["internal_states"][0]["running"]
+
+
+async def _start_requests(pool, limits, n: int):
+    """n long requests (no stop token) in flight, each with some tokens generated."""
+    jobs = [
+        asyncio.create_task(
+            generate(
+                pool,
+                PROMPT,
+                max_new_tokens=MAX_NEW_TOKENS,
+                sampling=SAMPLING,
+                stop_token_ids=[],
+                limits=limits,
+            )
+        )
+        for _ in range(n)
+    ]
+    client = pool.slots[0].client
+    steps0 = None
+    for _ in range(600):
+        info = (await client.server_info())["internal_states"][0]
+        if info["running"] == n:
+            steps0 = info["steps"] if steps0 is None else steps0
+            if info["steps"] >= steps0 + 3:  # a few decode steps: every request has partial output
+                return jobs
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{n} requests never ran together: {info}")
+
+
+def _check_lengths(partial):
+    n = len(partial.token_ids)
+    assert n == MAX_NEW_TOKENS and partial.finish_reason == "length"
+    assert len(partial.logprobs) == n and partial.version_array().shape == (n,)
+    assert np.all(np.isfinite(partial.logprobs)) and max(partial.logprobs) <= 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_generation_resumes_across_updates_and_survives_an_engine_crash(tmp_path):
+    config = _config(tmp_path)
+    node_dir = tmp_path / "node"
+    node_dir.mkdir()
+
+    async def scenario():
+        pool = build_pool(config, [], node_dir)
+        limits = config.rollout.agent
+        await pool.start()
+        client = pool.slots[0].client
+        try:
+            # --- abort mode: partial outputs come back and are resumed ---------------------------------
+            jobs = await _start_requests(pool, limits, 2)
+            await client.pause("abort")
+            await client.update_weight_version("1")
+            await client.resume()
+            results = await asyncio.gather(*jobs)
+            for partial in results:
+                _check_lengths(partial)
+                versions = partial.version_array()
+                assert partial.segments >= 2 and partial.resumes >= 1
+                assert versions[0] == 0 and versions[-1] == 1
+                assert np.all(np.diff(versions) >= 0)  # each token keeps the version that produced it
+
+            # --- in_place mode: requests keep going; one segment spans both versions ---------------
+            jobs = await _start_requests(pool, limits, 2)
+            await client.pause("in_place")
+            await client.update_weight_version("2")
+            await client.resume()
+            results = await asyncio.gather(*jobs)
+            for partial in results:
+                _check_lengths(partial)
+                versions = partial.version_array()
+                assert partial.segments == 1 and partial.resumes == 0
+                assert versions[0] == 1 and versions[-1] == 2
+                assert np.all(np.diff(versions) >= 0)
+
+            # --- crash: the engine dies mid-request; the pool restarts it and the requests resend ---
+            old_pid = pool.slots[0].process.pid
+            jobs = await _start_requests(pool, limits, 2)
+            os.kill(old_pid, signal.SIGKILL)
+            results = await asyncio.gather(*jobs)
+            slot = pool.slots[0]
+            assert slot.restarts == 1 and slot.process.pid != old_pid and slot.healthy
+            for partial in results:
+                _check_lengths(partial)
+                assert partial.retries >= 1
+            # the restarted engine serves the initial weights again (version 0) until the trainer's
+            # sender updates it: its tokens say so
+            assert all(partial.version_array()[-1] == 0 for partial in results)
+        finally:
+            await pool.close()
+        assert pool.slots[0].process.poll() is not None  # close() stopped the engine
+
+    asyncio.run(asyncio.wait_for(scenario(), 240))
