@@ -34,6 +34,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 # Flags of subcommands that take a value as the next token (e.g. ``--broker tcp://h:5555``).
 VALUE_FLAGS = {
+    "--engine",
+    "--init",
+    "--wall-s",
+    "--lr",
+    "--measured",
+    "--reserve",
+    "--suggest",
     "--broker",
     "--resume",
     "--gpus",
