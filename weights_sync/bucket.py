@@ -8,6 +8,7 @@ buckets satisfy by construction.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -109,3 +110,8 @@ def plan_buckets(
         open_buckets[t.dtype] = (items, size + n)
     done.extend(items for items, _ in open_buckets.values() if items)
     return done
+
+
+def checksum(buf: torch.Tensor) -> int:
+    """CRC32 of a bucket's bytes (optional verification: the sender announces it, the receiver compares)."""
+    return zlib.crc32(buf.detach().cpu().contiguous().view(torch.uint8).numpy())

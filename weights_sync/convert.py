@@ -5,8 +5,10 @@
 
 ``--to megatron`` shards the Hugging Face directory ``--from`` (default: ``model.path``) for the mesh of
 ``trainer.mesh`` (tp, pp, vpp, ep, etp; the config validates it against the model and the world size
-``trainer.nproc * trainer.nnodes``, so set ``model.path`` and ``trainer.nproc`` with the mesh); the vocab is padded like megatron-core's (a multiple of ``--vocab-divisible-by`` x tp, default
-128). ``--to hf`` gathers a converted directory back into a Hugging Face directory (config.json and
+``trainer.nproc * trainer.nnodes``, so set ``model.path`` and ``trainer.nproc`` with the mesh). The
+vocab is padded to a multiple of ``--vocab-divisible-by`` x tp; the default 1 matches tidal's trainer,
+which does not pad (it requires tp to divide the vocab); 128 is megatron-LM's usual padding.
+``--to hf`` gathers a converted directory back into a Hugging Face directory (config.json and
 safetensors), bitwise equal to the tensors it came from.
 """
 
@@ -26,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--to", choices=["megatron", "hf"], required=True)
     p.add_argument("--from", dest="src", default=None)
     p.add_argument("--out", required=True)
-    p.add_argument("--vocab-divisible-by", type=int, default=128)
+    p.add_argument("--vocab-divisible-by", type=int, default=1)
     return p
 
 

@@ -22,7 +22,7 @@ TINY: dict[str, ModelConfig] = {
         moe_intermediate_size=48,
         **_SHAPES,
     ),
-    "deepseek_v3": ModelConfig(
+    "deepseek_v3": ModelConfig(  # MLA: transformers repeats K/V by heads // kv_heads, so kv_heads = heads
         family="deepseek_v3",
         head_dim=24,
         intermediate_size=96,
@@ -36,7 +36,7 @@ TINY: dict[str, ModelConfig] = {
         qk_nope_head_dim=16,
         qk_rope_head_dim=8,
         v_head_dim=16,
-        **_SHAPES,
+        **(_SHAPES | {"num_key_value_heads": 4}),
     ),
 }
 
@@ -50,7 +50,11 @@ def save_random_hf(model: ModelConfig, directory: str | Path, seed: int = 0) -> 
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    hf = AutoModelForCausalLM.from_config(model.to_hf_config())
+    config = model.to_hf_config()
+    if model.family == "deepseek_v3":
+        # transformers' DeepSeek-V3 takes head_dim as the rotary width (ModelConfig writes nope + rope)
+        config.head_dim = model.qk_rope_head_dim
+    hf = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for p in hf.parameters():
             p.normal_(0, 0.05)

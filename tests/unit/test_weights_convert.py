@@ -46,8 +46,8 @@ def test_convert_round_trip_is_bitwise(tmp_path, family, mesh):
     for name, tensor in original.items():
         assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
     assert hf_io.raw_config(tmp_path / "back") == hf_io.raw_config(src)
-    _, mesh_read, padded, _ = read_meta(tmp_path / "mc")
-    assert padded % (128 * mesh_read.tp) == 0
+    _, _, padded, _ = read_meta(tmp_path / "mc")
+    assert padded == TINY[family].vocab_size  # tidal's trainer does not pad the vocab
 
 
 def test_convert_names_a_broken_mesh(tmp_path, capsys):

@@ -1,0 +1,150 @@
+"""A model-less engine stand-in that serves only SGLang's weight-update routes (tests, benchmarks).
+
+    python -m tidal.weights_sync.receiver_server --host 127.0.0.1 --port 30000
+
+It receives buckets with ``WeightReceiver`` exactly as an engine does and keeps the tensors in a
+dict; ``POST /tidal/save_weights {"path": DIR}`` writes them as a Hugging Face directory and
+``GET /tidal/stats`` reports bytes and seconds spent receiving and loading. The real engines are
+``tidal serve`` and SGLang; this serves the sender's tests and the benchmark without a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from typing import Any
+
+import torch
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from tidal.weights_sync import hf_io
+from tidal.weights_sync.receiver import WeightReceiver
+
+
+def build_app(timeout_s: float = 60.0) -> FastAPI:
+    app = FastAPI()
+    receiver = WeightReceiver("cpu")
+    weights: dict[str, torch.Tensor] = {}
+    state: dict[str, Any] = {"version": None, "open": False, "receive_s": 0.0, "load_s": 0.0, "bytes": 0}
+    lock = threading.Lock()
+
+    def ok(message: str = "ok") -> dict[str, Any]:
+        return {"success": True, "message": message}
+
+    def fail(message: str, status: int = 400) -> JSONResponse:
+        return JSONResponse({"success": False, "message": message}, status_code=status)
+
+    # plain ``def`` handlers run in the thread pool: they block in collectives without stalling the loop
+    @app.post("/init_weights_update_group")
+    def init_group(body: dict[str, Any]):
+        try:
+            receiver.init_group(
+                master_address=body["master_address"],
+                master_port=int(body["master_port"]),
+                rank_offset=int(body["rank_offset"]),
+                world_size=int(body["world_size"]),
+                group_name=body.get("group_name", "weight_update_group"),
+                backend=body.get("backend", "gloo"),
+                timeout_s=timeout_s,
+            )
+        except Exception as exc:
+            return fail(f"init_weights_update_group failed: {exc}")
+        return ok()
+
+    @app.post("/destroy_weights_update_group")
+    def destroy_group(body: dict[str, Any]):
+        name = body.get("group_name", "weight_update_group")
+        return ok() if receiver.destroy_group(name) else fail(f"no group {name!r}")
+
+    @app.post("/begin_weight_update")
+    def begin(body: dict[str, Any]):
+        state["open"] = True
+        return ok()
+
+    @app.post("/end_weight_update")
+    def end(body: dict[str, Any]):
+        if not state["open"]:
+            return fail("end_weight_update without begin_weight_update")
+        state["open"] = False
+        return ok()
+
+    @app.post("/pause_generation")
+    def pause(body: dict[str, Any]):
+        return ok()
+
+    @app.post("/continue_generation")
+    def resume(body: dict[str, Any]):
+        return ok()
+
+    @app.post("/update_weights_from_distributed")
+    def update(body: dict[str, Any]):
+        if body.get("load_format") != "flattened_bucket":
+            return fail(f"load_format={body.get('load_format')!r}: this receiver takes flattened_bucket")
+        if not state["open"]:
+            return fail("update_weights_from_distributed outside begin_weight_update ... end_weight_update")
+        t0 = time.perf_counter()
+        try:
+            tensors = receiver.receive(
+                names=body["names"],
+                dtypes=body["dtypes"],
+                shapes=body["shapes"],
+                group_name=body.get("group_name", "weight_update_group"),
+                checksum=body.get("checksum"),
+            )
+        except Exception as exc:
+            return fail(f"receive failed: {type(exc).__name__}: {exc}")
+        t1 = time.perf_counter()
+        with lock:
+            for name, t in tensors:
+                old = weights.get(name)
+                if old is not None and old.shape == t.shape and old.dtype == t.dtype:
+                    old.copy_(t)
+                else:
+                    weights[name] = t.clone()
+            state["receive_s"] += t1 - t0
+            state["load_s"] += time.perf_counter() - t1
+            state["bytes"] += sum(t.numel() * t.element_size() for _, t in tensors)
+            if body.get("weight_version") is not None:
+                state["version"] = body["weight_version"]
+        return ok()
+
+    @app.get("/tidal/stats")
+    def stats():
+        with lock:
+            return {**state, "tensors": len(weights), "groups": receiver.group_names}
+
+    @app.post("/tidal/reset_stats")
+    def reset_stats(body: dict[str, Any]):
+        with lock:
+            state.update(receive_s=0.0, load_s=0.0, bytes=0)
+        return ok()
+
+    @app.post("/tidal/save_weights")
+    def save_weights(body: dict[str, Any]):
+        with lock:
+            hf_io.save(body["path"], dict(weights))
+        return ok()
+
+    @app.get("/health")
+    def health():
+        return {"ok": True}
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--timeout-s", type=float, default=60.0)
+    args = p.parse_args(argv)
+    uvicorn.run(build_app(args.timeout_s), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
