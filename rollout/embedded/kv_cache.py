@@ -115,22 +115,19 @@ class StepCache:
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention over a :class:`StepCache`'s output; the mask comes from the ``tidal_step`` keyword."""
-    if key.shape[1] != query.shape[1]:
-        groups = query.shape[1] // key.shape[1]
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
+    gqa = key.shape[1] != query.shape[1]
     step: StepBatch | None = kwargs.get("tidal_step")
     if step is None:
         # a plain forward outside the engine (no cache, unpadded): ordinary causal attention
         causal = attention_mask is None and query.shape[2] == key.shape[2]
         out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, is_causal=causal, scale=scaling
+            query, key, value, attn_mask=attention_mask, is_causal=causal, scale=scaling, enable_gqa=gqa
         )
         return out.transpose(1, 2).contiguous(), None
     mask = step.mask
     if step.q_len == 1 and step._uniform_start:
         mask = None  # every row sees exactly its whole cache: no mask needed
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -1,0 +1,198 @@
+"""Output tokens/s of the embedded engine against transformers' ``generate``, same model and prompts.
+
+For each batch size, both generate ``--new-tokens`` greedy tokens (EOS ignored) for the same random
+``--prompt-len``-token prompts on the same randomly initialised model; the engine receives all requests at
+once (its scheduler batches them; no HTTP in the loop). Prints a table, writes JSON with ``--out``.
+
+    .venv/bin/python benchmarks/engine_throughput.py --out runs/bench/engine_throughput.json
+    .venv/bin/python benchmarks/engine_throughput.py --device cuda --dtype bfloat16 --hidden 1024 --layers 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from tidal.model_config import ModelConfig
+from tidal.rollout.embedded.model import build_model
+from tidal.rollout.embedded.sampling import SamplingParams
+from tidal.rollout.embedded.scheduler import Request, Scheduler
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--family", default="qwen3", choices=["qwen3", "qwen3_moe"])
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--batch-sizes", default="1,16,64")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=1, help="timed runs per point (the median is reported)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--out", default=None, help="write the figures as JSON here")
+    return p.parse_args()
+
+
+def model_config(a: argparse.Namespace) -> ModelConfig:
+    heads = max(2, a.hidden // 64)
+    extra = {}
+    if a.family == "qwen3_moe":
+        extra = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=a.hidden)
+    return ModelConfig(
+        family=a.family,
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        num_hidden_layers=a.layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=64,
+        intermediate_size=a.hidden * 3,
+        max_position_embeddings=max(2048, a.prompt_len + a.new_tokens),
+        **extra,
+    )
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_transformers(
+    ref, prompts: torch.Tensor, new_tokens: int, device: str
+) -> tuple[float, list[list[int]]]:
+    sync(device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = ref.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    sync(device)
+    return time.perf_counter() - t0, out[:, prompts.shape[1] :].tolist()
+
+
+def run_engine(
+    sched: Scheduler, prompts: list[list[int]], new_tokens: int, device: str
+) -> tuple[float, list[list[int]]]:
+    done: dict[int, Request] = {}
+    finished = threading.Event()
+
+    def on_done(req: Request) -> None:
+        done[int(req.rid)] = req
+        if len(done) == len(prompts):
+            finished.set()
+
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    sync(device)
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        sched.submit(Request(input_ids=p, params=params, rid=str(i), on_done=on_done))
+    if not finished.wait(3600):
+        raise TimeoutError("engine did not finish the batch")
+    sync(device)
+    return time.perf_counter() - t0, [done[i].output_ids for i in range(len(prompts))]
+
+
+def main() -> None:
+    a = parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    cfg = model_config(a)
+    batch_sizes = [int(b) for b in a.batch_sizes.split(",")]
+    lm = build_model(cfg, seed=a.seed, device=a.device, dtype=a.dtype)
+    ref = transformers.AutoModelForCausalLM.from_config(
+        lm.config.__class__(**lm.config.to_dict()), dtype=lm.dtype
+    )
+    ref.config._attn_implementation = "sdpa"
+    ref.load_state_dict(lm.state_dict())
+    ref = ref.to(a.device).eval()
+    sched = Scheduler(
+        lm,
+        max_batch_size=max(batch_sizes),
+        max_seq_len=a.prompt_len + a.new_tokens + 1,
+        max_prefill_tokens=max(batch_sizes) * a.prompt_len,
+        device=a.device,
+        eos_token_ids=[],
+        seed=a.seed,
+    )
+    sched.start()
+    gen = torch.Generator().manual_seed(a.seed)
+    rows = []
+    try:
+        # warm-up both paths once (allocations, kernels)
+        warm = torch.randint(0, a.vocab, (2, a.prompt_len), generator=gen).to(a.device)
+        run_transformers(ref, warm, 4, a.device)
+        run_engine(sched, warm.tolist(), 4, a.device)
+        for b in batch_sizes:
+            prompts = torch.randint(0, a.vocab, (b, a.prompt_len), generator=gen).to(a.device)
+            hf_times, eng_times, same = [], [], 0.0
+            for _ in range(a.repeats):
+                t_hf, out_hf = run_transformers(ref, prompts, a.new_tokens, a.device)
+                t_eng, out_eng = run_engine(sched, prompts.tolist(), a.new_tokens, a.device)
+                hf_times.append(t_hf)
+                eng_times.append(t_eng)
+                same = sum(x == y for x, y in zip(out_hf, out_eng, strict=True)) / b
+            tokens = b * a.new_tokens
+            hf_tps = tokens / statistics.median(hf_times)
+            eng_tps = tokens / statistics.median(eng_times)
+            rows.append(
+                {
+                    "batch": b,
+                    "transformers_tok_s": round(hf_tps, 1),
+                    "engine_tok_s": round(eng_tps, 1),
+                    "speedup": round(eng_tps / hf_tps, 2),
+                    "greedy_identical_fraction": same,
+                    "transformers_s": [round(t, 3) for t in hf_times],
+                    "engine_s": [round(t, 3) for t in eng_times],
+                }
+            )
+            r = rows[-1]
+            print(
+                f"batch {b:>3}: transformers {r['transformers_tok_s']:>9.1f} tok/s | engine {r['engine_tok_s']:>9.1f} "
+                f"tok/s | x{r['speedup']:.2f} | identical outputs {same:.0%}",
+                flush=True,
+            )
+    finally:
+        sched.stop()
+    meta = {
+        "device": a.device,
+        "dtype": a.dtype,
+        "model": cfg.model_dump(exclude={"path"}),
+        "prompt_len": a.prompt_len,
+        "new_tokens": a.new_tokens,
+        "repeats": a.repeats,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+    }
+    print("\n| batch | transformers tok/s | engine tok/s | speedup | identical greedy outputs |")
+    print("|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['batch']} | {r['transformers_tok_s']} | {r['engine_tok_s']} | {r['speedup']}x | "
+            f"{r['greedy_identical_fraction']:.0%} |"
+        )
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+        print(f"\nwrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
