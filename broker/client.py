@@ -123,8 +123,11 @@ class AsyncBrokerClient:
         self._pending[rid] = fut
         timeout = self.timeout_s if timeout is None else timeout
         try:
-            await self._sock.send_multipart([proto.encode_envelope(type_, rid, body), *frames], copy=False)
-            rtype, rbody, rframes = await asyncio.wait_for(fut, timeout)
+            # The send is inside the timeout too: with no connected peer (broker down, CURVE refused) a
+            # DEALER send waits.
+            async with asyncio.timeout(timeout):
+                await self._sock.send_multipart([proto.encode_envelope(type_, rid, body), *frames], copy=False)
+                rtype, rbody, rframes = await fut
         except TimeoutError:
             raise BrokerTimeout(_timeout_msg(type_, self.address, timeout)) from None
         finally:
@@ -221,7 +224,12 @@ class BrokerClient:
     ) -> tuple[dict[str, Any], list[Any]]:
         timeout = self.timeout_s if timeout == -1.0 else timeout
         rid = next(self._ids)
-        self._sock.send_multipart([proto.encode_envelope(type_, rid, body), *frames], copy=False)
+        # With no connected peer (broker down, CURVE refused) a DEALER send waits: bound it too.
+        self._sock.sndtimeo = -1 if timeout is None else max(1, int(timeout * 1000))
+        try:
+            self._sock.send_multipart([proto.encode_envelope(type_, rid, body), *frames], copy=False)
+        except zmq.Again:
+            raise BrokerTimeout(_timeout_msg(type_, self.address, timeout)) from None
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
