@@ -209,7 +209,7 @@ class RolloutAgent:
         """Let in-flight groups finish (bounded), then cancel and release what is left."""
         if self.inflight and not self._hurry.is_set():
             log.info(
-                "finishing %d in-flight group(s) (up to %.0fs)",
+                "finishing %d in-flight group(s) (up to %.1fs)",
                 len(self.inflight),
                 self.agent_cfg.drain_timeout_s,
             )
@@ -273,7 +273,8 @@ class RolloutAgent:
             samples = await asyncio.gather(*jobs)
         except BaseException:
             for j in jobs:
-                j.cancel()
+                if not j.done() and not j.cancelling():  # gather already cancelled them when we were
+                    j.cancel()
             await asyncio.gather(*jobs, return_exceptions=True)
             raise
         return Group(

@@ -137,12 +137,20 @@ class EnginePool:
                 self._changed.notify_all()
 
     async def generate(
-        self, slot: EngineSlot, input_ids: list[int], sampling_params: dict[str, Any]
+        self, slot: EngineSlot, input_ids: list[int], sampling_params: dict[str, Any], rid: str | None = None
     ) -> GenerateResult:
         """``/generate`` with logprobs. An engine that cannot be reached or fails (5xx) is marked down and
-        raises EngineUnavailable; a request it refuses (4xx) raises EngineRejected."""
+        raises EngineUnavailable; a request it refuses (4xx) raises EngineRejected. A cancelled call
+        aborts its request on the engine (by ``rid``), so it stops using the engine's capacity."""
         try:
-            return await slot.client.generate(input_ids, sampling_params, return_logprob=True)
+            return await slot.client.generate(input_ids, sampling_params, rid=rid, return_logprob=True)
+        except asyncio.CancelledError:
+            if rid is not None:
+                try:  # shielded: a second cancellation must not stop the abort from reaching the engine
+                    await asyncio.shield(asyncio.wait_for(slot.client.abort(rid), 5.0))
+                except Exception as exc:  # noqa: BLE001 - best effort; the engine may be gone
+                    log.warning("could not abort request %s on %s: %r", rid, slot.url, exc)
+            raise
         except EngineError as exc:
             if exc.status is not None and 400 <= exc.status < 500:
                 raise EngineRejected(f"engine {slot.url} rejected the request: {exc}") from exc

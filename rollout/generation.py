@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,11 +133,13 @@ async def generate(
     """One response to ``prompt_ids``: segments until it stops, resuming aborts and engine failures."""
     partial = PartialResponse(list(prompt_ids), max_new_tokens)
     backoff = limits.resume_backoff_s
+    rid = uuid.uuid4().hex
     while not partial.done:
         params = sampling_params(sampling, partial, stop_token_ids)
         try:
             async with pool.slot() as slot:
-                result = await pool.generate(slot, partial.request_input_ids(), params)
+                segment_rid = f"{rid}-{partial.segments}-{partial.retries}"  # SGLang needs unique rids
+                result = await pool.generate(slot, partial.request_input_ids(), params, rid=segment_rid)
         except EngineUnavailable as exc:
             partial.retries += 1
             if partial.retries > limits.max_retries:

@@ -5,7 +5,9 @@ embedded engine (``tidal serve`` started by the pool, as a node starts it).
   prompt + partial output; the tokens before the update keep version 0, the rest get version 1;
 - in_place mode: requests keep running; one segment carries both versions (the engine's spans);
 - crash: the engine process is SIGKILLed mid-request; the pool restarts it on the same URL and the
-  requests are resent and finish.
+  requests are resent and finish;
+- stop (what SIGTERM does): a node whose requests cannot finish (the engine is paused) releases its
+  groups to the broker after rollout.agent.drain_timeout_s, aborts its requests on the engine, leaves.
 """
 
 import asyncio
@@ -15,10 +17,17 @@ import signal
 import numpy as np
 import pytest
 
+from tidal.broker.client import AsyncBrokerClient
+from tidal.broker.testing import start_broker
 from tidal.config import RunConfig
 from tidal.configio import load_config
+from tidal.procs import stop
+from tidal.rollout.agent import RolloutAgent
 from tidal.rollout.generation import generate
 from tidal.rollout.main import build_pool
+from tidal.rollout.tasks import build_task
+from tidal.rollout.tasks.arithmetic import make_records
+from tidal.rollout.tasks.char_tokenizer import save_char_tokenizer
 
 MAX_NEW_TOKENS = 40
 PROMPT = [1, 4, 11, 14, 8, 9, 17]  # "<bos>07+45=" in the arithmetic tokenizer
@@ -36,6 +45,9 @@ def _config(tmp_path) -> RunConfig:
             "rollout.engine.max_batch_size=8",
             "rollout.agent.engine_start_timeout_s=120",
             "rollout.agent.request_timeout_s=120",
+            "rollout.agent.drain_timeout_s=0.5",
+            "rollout.agent.lease_poll_s=0.1",
+            "rollout.heartbeat_s=0.5",
         ],
     )
 
@@ -80,7 +92,7 @@ def _check_lengths(partial):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_generation_resumes_across_updates_and_survives_an_engine_crash(tmp_path):
+def test_generation_across_updates_an_engine_crash_and_a_stop(tmp_path):
     config = _config(tmp_path)
     node_dir = tmp_path / "node"
     node_dir.mkdir()
@@ -130,8 +142,45 @@ def test_generation_resumes_across_updates_and_survives_an_engine_crash(tmp_path
             # the restarted engine serves the initial weights again (version 0) until the trainer's
             # sender updates it: its tokens say so
             assert all(partial.version_array()[-1] == 0 for partial in results)
+
+            await _stop_releases_unfinished_groups(pool, config, address)
         finally:
             await pool.close()
         assert pool.slots[0].process.poll() is not None  # close() stopped the engine
 
-    asyncio.run(asyncio.wait_for(scenario(), 240))
+    rows, _ = make_records(digits=2, num_train=4, num_eval=1, seed=0)
+    broker, address = start_broker(
+        tmp_path / "broker", rows=rows, group_size=2, batch_groups=2, max_staleness=0, data={"epochs": 1}
+    )
+    save_char_tokenizer(tmp_path / "tokenizer")
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 240))
+    finally:
+        stop(broker)
+
+
+async def _stop_releases_unfinished_groups(pool, config, address):
+    engine = pool.slots[0].client
+    await engine.pause("in_place")  # requests wait in the engine: the node holds its leases
+    broker = AsyncBrokerClient(address, timeout_s=10.0)
+    agent = RolloutAgent(config.rollout, broker, pool, build_task(config), name="drainer", group_size_hint=2)
+    run = asyncio.create_task(agent.run())
+    try:
+        for _ in range(600):
+            waiting = (await engine.server_info())["internal_states"][0]["waiting"]
+            if len(agent.inflight) == 2 and waiting == 4:  # 2 groups of 2 samples queued on the engine
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError(f"the agent never held 2 groups: {agent.inflight}, engine waiting {waiting}")
+        agent.request_stop()  # what SIGTERM does
+        assert await asyncio.wait_for(run, 30) == 0
+        stats = await broker.stats()
+        assert stats["counters"]["released_groups"] == 2 and stats["in_flight_groups"] == 0
+        assert stats["requeued"] == 2  # the prompts wait for another node
+        assert not any(n["role"] == "rollout" for n in stats["nodes"].values())  # it left
+        state = (await engine.server_info())["internal_states"][0]
+        assert state["waiting"] == 0 and state["running"] == 0  # its requests were aborted on the engine
+    finally:
+        await engine.resume()
+        await broker.close()
