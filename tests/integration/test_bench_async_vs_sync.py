@@ -1,0 +1,66 @@
+"""A very short run of benchmarks/async_vs_sync.py end to end: real broker, node agent and trainer processes
+over stand-in engines and train steps. Checks the figures' structure and the scheduling invariants
+(staleness, batch order, every batch whole), never the speed."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ETA = 2
+STEPS = 5
+BATCH_GROUPS = 4
+GROUP_SIZE = 2
+
+
+@pytest.mark.slow
+def test_short_benchmark_run_keeps_the_scheduling_invariants(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "async_vs_sync.py"),
+        "--steps", str(STEPS),
+        "--warmup", "1",
+        "--etas", str(ETA),
+        "--batch-groups", str(BATCH_GROUPS),
+        "--group-size", str(GROUP_SIZE),
+        "--concurrency", "4",
+        "--median-tokens", "16",
+        "--max-tokens", "64",
+        "--train-overhead-ms", "5",
+        "--lease-poll-s", "0.05",
+        "--timeout-s", "60",
+        "--work-dir", str(tmp_path / "work"),
+        "--out", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ideal bound" in proc.stdout and "x sync" in proc.stdout
+
+    report = json.loads(out.read_text())
+    cap = report["capacities"]
+    assert cap["ideal_samples_per_s"] == min(cap["rollout_samples_per_s"], cap["trainer_samples_per_s"])
+    assert cap["trainer_samples_per_s"] == pytest.approx(cap["rollout_samples_per_s"])  # --balance 1
+    assert [r["eta"] for r in report["results"]] == [0, ETA]
+    assert set(report["goal"]) == {"eta2_over_sync", "eta2_over_ideal", "met"}
+
+    for result in report["results"]:
+        eta, steps = result["eta"], result["steps"]
+        assert [s["batch_id"] for s in steps] == list(range(STEPS))
+        # the broker cuts batch b when the trainer, at version b, asks for it
+        assert [s["cut_version"] for s in steps] == list(range(STEPS))
+        for s in steps:
+            assert s["samples"] == BATCH_GROUPS * GROUP_SIZE
+            assert len(s["staleness"]) == BATCH_GROUPS
+            assert all(0 <= x <= eta for x in s["staleness"]), (eta, s["staleness"])
+        assert result["staleness"]["max"] <= eta
+        # what the trainer observed is what the broker recorded when it cut the batches
+        broker_hist = {str(k): v for k, v in result["broker_staleness_histogram"].items()}
+        assert broker_hist == {str(k): v for k, v in result["staleness"]["histogram"].items()}
+        assert result["samples_per_s"] > 0 and 0 < result["trainer_busy"] <= 1
+    sync = report["results"][0]
+    assert sync["staleness"]["histogram"] == {"0": STEPS * BATCH_GROUPS}
+    assert sync["dropped_stale_groups"] == 0
