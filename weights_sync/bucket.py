@@ -9,7 +9,7 @@ buckets satisfy by construction.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -115,3 +115,22 @@ def plan_buckets(
 def checksum(buf: torch.Tensor) -> int:
     """CRC32 of a bucket's bytes (optional verification: the sender announces it, the receiver compares)."""
     return zlib.crc32(buf.detach().cpu().contiguous().view(torch.uint8).numpy())
+
+
+def stream_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``plan_buckets`` as a stream: each dtype's bucket leaves as soon as the next tensor would overflow it,
+    so packing and sending start before the last tensor is gathered."""
+    open_buckets: dict[torch.dtype, tuple[list[tuple[str, torch.Tensor]], int]] = {}
+    for name, t in named_tensors:
+        n = t.numel() * t.element_size()
+        items, size = open_buckets.get(t.dtype, ([], 0))
+        if items and size + n > bucket_bytes:
+            yield items
+            items, size = [], 0
+        items.append((name, t))
+        open_buckets[t.dtype] = (items, size + n)
+    for items, _ in open_buckets.values():
+        if items:
+            yield items

@@ -38,6 +38,14 @@ class EngineWeightsClient:
             raise EngineError(f"{self.endpoint.url}{route}: {data.get('message')}")
         return data
 
+    def health(self) -> None:
+        try:
+            resp = self._http.get("/health", timeout=min(5.0, self._http.timeout.read or 5.0))
+        except httpx.HTTPError as exc:
+            raise EngineError(f"{self.endpoint.url}/health: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code != 200:
+            raise EngineError(f"{self.endpoint.url}/health: HTTP {resp.status_code}")
+
     def init_group(
         self,
         *,

@@ -1,0 +1,132 @@
+"""Live weight sync from a sender to engine processes over real gloo groups and HTTP.
+
+The engines here are ``tidal.weights_sync.receiver_server``: the weight-update routes of an engine
+without a model (the trainer-to-``tidal serve`` test is in test_weights_megatron.py). The sender runs
+in this process as a one-rank trainer.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tidal.procs import free_port, spawn, stop, tail, wait_for_tcp
+from tidal.weights_sync import hf_io
+from tidal.weights_sync.config import WeightSyncConfig
+from tidal.weights_sync.engine_api import EngineEndpoint
+from tidal.weights_sync.sender import WeightSender
+
+
+@pytest.fixture(scope="module")
+def checkpoint() -> dict[str, torch.Tensor]:
+    """Hugging Face-named tensors of two dtypes and many sizes (a 2 KB norm to a 1 MB embedding)."""
+    g = torch.Generator().manual_seed(3)
+    tensors = {"model.embed_tokens.weight": torch.randn(1024, 256, generator=g)}
+    for layer in range(4):
+        tensors[f"model.layers.{layer}.input_layernorm.weight"] = torch.randn(512, generator=g)
+        for e in range(4):
+            for proj in ("gate_proj", "up_proj"):
+                w = torch.randn(96, 256, generator=g)
+                tensors[f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"] = w.to(torch.bfloat16)
+    tensors["model.norm.weight"] = torch.randn(256, generator=g)
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def receivers(tmp_path_factory):
+    """Two receivers for the module; the last test kills one of them."""
+    tmp_path = tmp_path_factory.mktemp("receivers")
+    procs, urls = [], []
+    try:
+        for i in range(2):
+            port = free_port()
+            log = tmp_path / f"receiver{i}.log"
+            cmd = [
+                sys.executable,
+                "-m",
+                "tidal.weights_sync.receiver_server",
+                "--port",
+                str(port),
+                "--timeout-s",
+                "10",
+            ]
+            procs.append(spawn(cmd, log))
+            urls.append(f"http://127.0.0.1:{port}")
+        for proc, url in zip(procs, urls, strict=True):
+            wait_for_tcp("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout_s=60, proc=proc)
+        yield procs, urls
+    finally:
+        for proc in procs:
+            stop(proc, timeout_s=5)
+
+
+def _engine_tensors(url: str, directory: Path) -> dict[str, torch.Tensor]:
+    httpx.post(f"{url}/tidal/save_weights", json={"path": str(directory)}, timeout=30).raise_for_status()
+    return hf_io.load_tensors(directory)
+
+
+def _stats(url: str) -> dict:
+    return httpx.get(f"{url}/tidal/stats", timeout=10).json()
+
+
+@pytest.mark.slow
+def test_sync_delivers_every_tensor_bitwise_to_every_engine(receivers, checkpoint, tmp_path):
+    _, urls = receivers
+    config = WeightSyncConfig(bucket_bytes=64 << 10, timeout_s=20, verify_checksums=True)
+    sender = WeightSender(config, [EngineEndpoint(u) for u in urls])
+    try:
+        report = sender.sync(lambda: iter(checkpoint.items()), version=5)
+        assert report.ok and report.attempts == 1 and report.dropped == []
+        total = sum(t.numel() * t.element_size() for t in checkpoint.values())
+        assert report.bytes == total and report.buckets > 3  # several buckets: the overlap path ran
+        for i, url in enumerate(urls):
+            got = _engine_tensors(url, tmp_path / f"engine{i}")
+            assert sorted(got) == sorted(checkpoint)
+            assert all(torch.equal(got[n], t) for n, t in checkpoint.items())
+            assert _stats(url)["version"] == "5"
+        # a second sync reuses the group
+        again = sender.sync(lambda: iter(checkpoint.items()), version=6)
+        assert again.ok and all(_stats(u)["version"] == "6" for u in urls)
+        assert all(len(_stats(u)["groups"]) == 1 for u in urls)
+        assert _stats(urls[0])["bytes"] == 2 * total
+    finally:
+        sender.close()
+
+
+@pytest.mark.slow
+def test_engine_killed_mid_sync_is_dropped_and_the_sync_completes(receivers, checkpoint, tmp_path):
+    procs, urls = receivers
+    config = WeightSyncConfig(bucket_bytes=32 << 10, timeout_s=8)
+    sender = WeightSender(config, [EngineEndpoint(u) for u in urls])
+    attempts = []
+
+    def source():
+        attempts.append(1)
+        for i, item in enumerate(checkpoint.items()):
+            if len(attempts) == 1 and i == len(checkpoint) // 2:
+                procs[1].kill()  # the second engine dies halfway through the first attempt
+                procs[1].wait()
+            yield item
+
+    try:
+        report = sender.sync(source, version=9)
+        assert report.ok, f"sync failed: {report}; engine log: {tail(Path(procs[0].args[0]))}"
+        assert report.dropped == [urls[1]] and report.attempts == 2
+        assert sender.engines == [urls[0]]
+        got = _engine_tensors(urls[0], tmp_path / "survivor")
+        assert all(torch.equal(got[n], t) for n, t in checkpoint.items())
+        assert _stats(urls[0])["version"] == "9"
+    finally:
+        sender.close()
+
+
+def test_sync_without_engines_drains_the_source():
+    consumed = []
+    sender = WeightSender(WeightSyncConfig(), [])
+    report = sender.sync(lambda: (consumed.append(n) or (n, torch.zeros(1)) for n in "abc"), version=1)
+    assert report.ok and consumed == ["a", "b", "c"] and report.bytes == 0
+    sender.close()
