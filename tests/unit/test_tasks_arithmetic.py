@@ -7,7 +7,7 @@ from tidal.broker.types import PromptRow
 from tidal.config import RunConfig
 from tidal.configio import build, load_config
 from tidal.errors import ConfigError
-from tidal.rollout.tasks import build_task, prepare_task
+from tidal.rollout.tasks import build_task, load_tokenizer, prepare_task
 from tidal.rollout.tasks.arithmetic import make_records
 from tidal.rollout.tasks.data import read_rows
 
@@ -76,6 +76,7 @@ def test_prepare_task_writes_data_and_a_tokenizer_that_autotokenizer_loads(tmp_p
     assert sft[0]["prompt"] == rows[0].prompt and sft[0]["response"] == rows[0].ground_truth
 
     tok = AutoTokenizer.from_pretrained(files.tokenizer)
+    assert type(load_tokenizer(files.tokenizer)) is type(tok)  # the shortcut loads what AutoTokenizer does
     assert (tok.pad_token, tok.bos_token, tok.eos_token) == ("<pad>", "<bos>", "<eos>")
     assert len(tok) <= 32  # fits tiny.yaml's model.vocab_size
     ids = tok("07+45=")["input_ids"]
