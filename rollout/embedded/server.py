@@ -7,8 +7,10 @@ Refusals are HTTP 400: ``{"error": {"message": ...}}`` for generation and genera
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
+import uuid
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -21,6 +23,9 @@ from tidal.rollout.embedded.service import ENGINE_ERRORS, BadRequest, EmbeddedEn
 
 # The SGLang release whose HTTP protocol this server speaks (reported as /server_info's version).
 SGLANG_PROTOCOL_VERSION = "0.5.23"
+
+# how often a running /generate checks whether its client is still connected
+DISCONNECT_POLL_S = 0.5
 
 # /generate keys the engine honours; other SGLang keys are accepted only when null/false/empty.
 _GENERATE_KEYS = {
@@ -163,7 +168,7 @@ def create_app(engine: EmbeddedEngine, *, host: str = "", port: int = 0) -> Fast
         try:
             inputs, batched = parse_generate(engine, body)
             started = time.perf_counter()
-            reqs = await engine.generate(inputs)
+            reqs = await _generate_until_disconnect(engine, inputs, request)
         except (BadRequest, SamplingError) as exc:
             return error(str(exc))
         except RuntimeError as exc:
@@ -272,6 +277,18 @@ def create_app(engine: EmbeddedEngine, *, host: str = "", port: int = 0) -> Fast
     return app
 
 
+async def _generate_until_disconnect(engine: EmbeddedEngine, inputs: list[GenerateInput], request: Request):
+    """Generate; if the client goes away first, abort its requests (as SGLang does) so they stop using slots."""
+    task = asyncio.ensure_future(engine.generate(inputs))
+    while not task.done():
+        await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if not task.done() and await request.is_disconnected():
+            for inp in inputs:
+                await engine.abort(inp.rid, False)
+            break
+    return await task
+
+
 def _per_item(value: Any, n: int, name: str) -> list[Any]:
     if isinstance(value, list):
         if len(value) != n:
@@ -331,7 +348,10 @@ def parse_generate(engine: EmbeddedEngine, body: Any) -> tuple[list[GenerateInpu
         engine.check_input(prompt)
         params = SamplingParams.from_json(sp, engine.vocab_size)
         for j in range(params.n):
-            sub_rid = rid if params.n == 1 or rid is None else f"{rid}_{j}"
+            if rid is None:
+                sub_rid = uuid.uuid4().hex
+            else:
+                sub_rid = rid if params.n == 1 else f"{rid}_{j}"
             inputs.append(
                 GenerateInput(input_ids=prompt, params=params, return_logprob=bool(lp), rid=sub_rid)
             )

@@ -13,6 +13,7 @@ import asyncio
 import importlib.util
 import json
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -399,3 +400,23 @@ def test_abort_request_and_pause_abort_return_partial_outputs(engine):
     assert ra.rid == "to-abort"
     assert late.finish_reason == {"type": "length", "length": 2}
     assert flushed
+
+
+def test_a_client_that_disconnects_has_its_request_aborted(engine):
+    # paused, the request can only wait in the queue: it must leave the queue when its client goes away
+    assert (
+        httpx.post(f"{engine.url}/pause_generation", json={"mode": "in_place"}, timeout=10).status_code == 200
+    )
+    try:
+        body = {"input_ids": [2, 3], "sampling_params": {"max_new_tokens": 8}}
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{engine.url}/generate", json=body, timeout=1.0)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            state = httpx.get(f"{engine.url}/server_info", timeout=10).json()["internal_states"][0]
+            if state["waiting"] == 0:
+                break
+            time.sleep(0.1)
+        assert state["waiting"] == 0 and state["running"] == 0 and state["paused"] == "in_place", state
+    finally:
+        httpx.post(f"{engine.url}/continue_generation", json={}, timeout=10)
