@@ -13,7 +13,10 @@ the behaviour of anything that worked before. :func:`enable` redirects them to t
    to the CPU, drops ``pin_memory`` (it needs an accelerator), and reports a CPU tensor's ``.type()`` as
    the matching ``torch.cuda.*Tensor`` string, which is what megatron's optimizer checks for.
 3. gloo's ``all_to_all_single`` wants split sizes as Python lists; megatron passes tensors on some paths.
-4. Context parallel: Transformer Engine's ring attention is CUDA only, so :mod:`tidal.trainer.attention`
+4. Pipeline point-to-point goes unbatched (``batch_p2p_comm=False``, set by the model builder): gloo
+   matches untagged messages between two ranks in posting order, and megatron's batched path posts both
+   directions at once, which pairs an activation with a gradient when pp=2 (interleaved schedule).
+5. Context parallel: Transformer Engine's ring attention is CUDA only, so :mod:`tidal.trainer.attention`
    provides a core attention that all-gathers K/V over the CP group (selected by the model builder).
 
 :func:`enable` does nothing on a host where CUDA is available, so the GPU path is never touched.

@@ -159,16 +159,51 @@ def transformer_config(
     )
     if model.is_moe:
         fields["moe_token_dispatcher_type"] = moe_dispatcher
+    from tidal.trainer import cpu_support
+
+    if cpu_support.enabled():
+        # gloo matches point-to-point messages by (peer, tag) in posting order; megatron's batched p2p
+        # posts both directions untagged, so with pp=2 (prev == next) an activation can meet a gradient's
+        # receive. The unbatched path sends the two directions over two different groups.
+        fields["batch_p2p_comm"] = False
     cls = MLATransformerConfig if fields.get("multi_latent_attention") else TransformerConfig
     return cls(**fields)
 
 
-def _use_packed_core_attention(spec):
-    """A copy of a layer spec with PackedCoreAttention as its core attention."""
+class RMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm with megatron's sequence-parallel marking (the local spec's norm refuses SP).
+
+    Under sequence parallelism each TP rank normalises a different slice of the sequence, so the weight's
+    gradient is partial; the ``sequence_parallel`` attribute makes megatron all-reduce it over TP.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **unused):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+
+class QKRMSNorm(torch.nn.RMSNorm):
+    """Per-head query/key RMSNorm (after the sequence all-gather; megatron all-reduces it by name)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **unused):
+        super().__init__(hidden_size, eps=eps)
+
+
+def _local_layer_spec(spec):
+    """A copy of a local layer spec with tidal's core attention and sequence-parallel-aware norms."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
     from tidal.trainer.attention import PackedCoreAttention
 
     spec = copy.deepcopy(spec)
     spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
+    for name in ("input_layernorm", "pre_mlp_layernorm"):
+        if getattr(spec.submodules, name) is not IdentityOp:
+            setattr(spec.submodules, name, RMSNorm)
+    attention = spec.submodules.self_attention.submodules
+    for name in ("q_layernorm", "k_layernorm", "kv_layernorm"):
+        if getattr(attention, name, IdentityOp) is not IdentityOp:
+            setattr(attention, name, QKRMSNorm)
     return spec
 
 
@@ -180,7 +215,8 @@ def layer_spec(tconfig, use_te: bool, vp_stage: int | None = None):
         tconfig, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage
     )
     if not use_te:
-        block.layer_specs = [_use_packed_core_attention(s) for s in block.layer_specs]
+        block.layer_specs = [_local_layer_spec(s) for s in block.layer_specs]
+        block.layer_norm = RMSNorm
     return block
 
 

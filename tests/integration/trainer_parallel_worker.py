@@ -1,0 +1,82 @@
+"""Train a tiny model for a few steps on the fixed synthetic batch under several meshes; rank 0 writes JSON.
+
+Run under torchrun by tests/integration/test_trainer_parallel.py:
+    torchrun --nproc-per-node N trainer_parallel_worker.py OUT.json STEPS CASE [CASE ...]
+A CASE is ``name:family:key=value,key=value`` with mesh fields (tp, pp, vpp, cp, ep, etp) and
+dispatcher=alltoall|allgather, loss=grpo|sft, save=RUN_DIR with save_after=N (checkpoint after N steps),
+resume=RUN_DIR (continue from its latest checkpoint). The cases of one launch share its process group (megatron's
+parallel state is rebuilt per case), which saves a process start per case on a small machine.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch.distributed as dist
+
+from tidal.model_config import ModelConfig
+from tidal.trainer import checkpoint, models, parallel
+from tidal.trainer.config import LossConfig, OptimizerConfig
+from tidal.trainer.mesh import MeshConfig
+from tidal.trainer.optimizer import build_train_state
+from tidal.trainer.step import train_step
+from tidal.trainer.synthetic import make_loss, plan, synthetic_groups
+
+FAMILIES = {
+    "qwen3": dict(family="qwen3"),
+    "qwen3_moe": dict(family="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+}
+
+
+def run_case(family: str, opts: dict[str, str], steps: int) -> dict:
+    from megatron.core import parallel_state as ps
+
+    mesh = MeshConfig(**{k: int(v) for k, v in opts.items() if k in MeshConfig.model_fields})
+    model = ModelConfig(
+        vocab_size=64,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        **FAMILIES[family],
+    )
+    layout = parallel.init_parallel(mesh, model, seed=0)
+    tconfig = models.transformer_config(model, mesh, moe_dispatcher=opts.get("dispatcher", "alltoall"))
+    chunks = models.build_model(model, tconfig, seed=1)
+    state = build_train_state(chunks, tconfig, OptimizerConfig(lr=1e-3, clip_grad=1.0), total_steps=steps)
+    groups = synthetic_groups(vocab_size=model.vocab_size, groups=4, group_size=4, seed=0)
+    minibatch = plan(groups, dp_size=layout.dp, max_tokens=64, pad_multiple=2 * layout.cp * layout.tp)
+    micro_batches = minibatch.micro_batches(ps.get_data_parallel_rank())
+    losses, norms = [], []
+    first = 0
+    if "resume" in opts:
+        first = checkpoint.load(state, checkpoint.latest(opts["resume"])).step
+    for version in range(first, steps):
+        loss_fn = make_loss(opts.get("loss", "grpo"), LossConfig(), minibatch.normalizer, version)
+        result = train_step(state, micro_batches, loss_fn)
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
+        if "save" in opts and version + 1 == int(opts["save_after"]):
+            checkpoint.save(state, opts["save"], checkpoint.Progress(step=version + 1))
+    return dict(losses=losses, grad_norms=norms, layout=layout.describe(), first_step=first)
+
+
+def main() -> None:
+    out, steps, *cases = sys.argv[1:]
+    results = {}
+    for case in cases:
+        name, family, spec = (case.split(":") + [""])[:3]
+        opts = dict(p.split("=", 1) for p in spec.split(",") if p)
+        results[name] = run_case(family, opts, int(steps))
+        dist.barrier()
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    parallel.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Save and resume the trainer with megatron-core's dist_checkpointing.
+
+A checkpoint directory ``<run_dir>/checkpoints/step_<N>`` holds the model (sharded tensors, so any rank
+layout of the same mesh reloads it), the distributed optimizer's state, the learning-rate schedule, every
+rank's RNG states, and the loop's progress: optimizer steps taken (the policy version) and the last broker
+batch consumed, so that a killed trainer resumes without losing or repeating a batch.
+``<run_dir>/checkpoints/latest`` names the newest complete one; it is written last, after every rank has
+finished saving, so a trainer killed mid-save resumes from the previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tidal.trainer.models import unwrap
+
+_FORMAT = 1
+
+
+@dataclass
+class Progress:
+    step: int = 0  # optimizer steps taken == the policy version
+    last_batch_id: int = -1  # the last broker batch fully trained on
+    samples: int = 0
+
+
+def _model_keys(chunks) -> list[str]:
+    return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+
+
+def _rng_state() -> dict:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return dict(
+        python=random.getstate(),
+        numpy=np.random.get_state(),
+        torch=torch.get_rng_state(),
+        cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        tracker=get_cuda_rng_tracker().get_states(),
+    )
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _sharded_state_dict(state, is_loading: bool) -> dict:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    sd: dict = {}
+    model_sd: dict = {}
+    for key, chunk in zip(_model_keys(state.chunks), state.chunks, strict=True):
+        sd[key] = unwrap(chunk).sharded_state_dict()
+        model_sd.update(sd[key])
+    sd["optimizer"] = state.optimizer.sharded_state_dict(
+        model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
+    )
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sd["rng"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
+    return sd
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def save(state, run_dir: str | Path, progress: Progress) -> Path:
+    """Save on every rank (collective); returns the checkpoint's directory."""
+    from megatron.core import dist_checkpointing
+
+    root = checkpoint_dir(run_dir)
+    path = root / f"step_{progress.step}"
+    if dist.get_rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    sd = _sharded_state_dict(state, is_loading=False)
+    sd["scheduler"] = state.scheduler.state_dict()
+    sd["progress"] = asdict(progress)
+    sd["format"] = _FORMAT
+    dist_checkpointing.save(sd, str(path))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        tmp = root / "latest.tmp"
+        tmp.write_text(json.dumps({"path": path.name, **asdict(progress)}))
+        tmp.replace(root / "latest")
+    dist.barrier()
+    return path
+
+
+def latest(run_dir: str | Path) -> Path | None:
+    marker = checkpoint_dir(run_dir) / "latest"
+    if not marker.exists():
+        return None
+    return checkpoint_dir(run_dir) / json.loads(marker.read_text())["path"]
+
+
+def load(state, path: str | Path) -> Progress:
+    """Restore model, optimizer, schedule and RNG from ``path`` (collective); returns the progress."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    if not (path / "metadata.json").exists():
+        raise FileNotFoundError(
+            f"{path} is not a dist_checkpointing checkpoint (no metadata.json); "
+            "pass a directory written by tidal's trainer, e.g. <run_dir>/checkpoints/step_N"
+        )
+    sd = _sharded_state_dict(state, is_loading=True)
+    sd["scheduler"] = None
+    sd["progress"] = None
+    sd["format"] = None
+    loaded = dist_checkpointing.load(sd, str(path))
+    if loaded.get("format") != _FORMAT:
+        raise ValueError(f"{path}: checkpoint format {loaded.get('format')} is not {_FORMAT}")
+    for key, chunk in zip(_model_keys(state.chunks), state.chunks, strict=True):
+        unwrap(chunk).load_state_dict(loaded[key])
+    state.optimizer.load_state_dict(loaded["optimizer"])
+    state.scheduler.load_state_dict(loaded["scheduler"])
+    _set_rng_state(loaded["rng"])
+    return Progress(**loaded["progress"])

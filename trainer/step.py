@@ -1,0 +1,252 @@
+"""One optimizer step: forward-backward over packed micro-batches through megatron's pipeline schedules.
+
+Every rank gets the same list of this data-parallel rank's packed micro-batches (:mod:`tidal.trainer.packing`);
+a context-parallel rank keeps its two load-balanced chunks of every sequence (:func:`cp_local`). The loss
+functions (:mod:`tidal.trainer.losses`) return each micro-batch's share of the minibatch loss, normalised by
+minibatch-wide counts, so the gradient we want is the plain SUM over micro-batches and ranks. megatron's
+per-token-loss mode sums gradients over dp x cp and divides by the summed token counts; each micro-batch
+reports a count of 1 and multiplies its share by (micro-batches x dp x cp), which cancels that division
+exactly whatever the loss aggregation mode.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from tidal.trainer.attention import cp_token_positions
+from tidal.trainer.losses import LossResult
+from tidal.trainer.metrics import StepStats
+from tidal.trainer.packing import MicroBatch
+
+# (logprobs [T], entropy [T] or None, the local micro-batch, seq_reduce) -> this micro-batch's loss share
+LossFn = Callable[[torch.Tensor, torch.Tensor | None, MicroBatch, Callable], LossResult]
+
+_PER_TOKEN = ("tokens", "position_ids", "labels", "loss_mask", "behaviour_logprobs", "advantages", "versions")
+
+
+@dataclass
+class StepResult:
+    loss: float  # the minibatch loss (sum of the shares)
+    grad_norm: float
+    update_successful: bool
+    tokens: int  # tokens processed by all data-parallel ranks (padding included)
+    seconds: float
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def cp_local(mb: MicroBatch, cp_size: int, cp_rank: int) -> MicroBatch:
+    """This context-parallel rank's share of a packed micro-batch (cu_seqlens stay global)."""
+    if cp_size == 1:
+        return mb
+    index = cp_token_positions(mb.cu_seqlens_padded.long(), cp_size, cp_rank)
+    return replace(mb, **{name: getattr(mb, name).index_select(0, index) for name in _PER_TOKEN})
+
+
+def pad_micro_batch(mb: MicroBatch, length: int, pad_token_id: int = 0) -> MicroBatch:
+    """``mb`` extended to ``length`` tokens by one fully masked filler sequence."""
+    extra = length - mb.num_tokens
+    if extra < 0:
+        raise ValueError(f"cannot pad a micro-batch of {mb.num_tokens} tokens down to {length}")
+    if extra == 0:
+        return mb
+    zeros = torch.zeros(extra, dtype=torch.float32)
+    fill = dict(
+        tokens=torch.full((extra,), pad_token_id, dtype=torch.int64),
+        position_ids=torch.arange(extra, dtype=torch.int64),
+        labels=torch.full((extra,), pad_token_id, dtype=torch.int64),
+        loss_mask=zeros,
+        behaviour_logprobs=zeros,
+        advantages=zeros,
+        versions=torch.zeros(extra, dtype=torch.int64),
+    )
+    end = torch.tensor([length], dtype=torch.int32)
+    return replace(
+        mb,
+        **{
+            name: torch.cat([getattr(mb, name), fill[name].to(getattr(mb, name).dtype)])
+            for name in _PER_TOKEN
+        },
+        cu_seqlens=torch.cat([mb.cu_seqlens, end]),
+        cu_seqlens_padded=torch.cat([mb.cu_seqlens_padded, end]),
+        max_seqlen=max(mb.max_seqlen, extra),
+    )
+
+
+def equalize_lengths(micro_batches: list[MicroBatch], group=None) -> list[MicroBatch]:
+    """Pad the i-th micro-batch of every rank to the same length.
+
+    megatron's allgather MoE dispatcher gathers tokens over tp x ep with equal sizes only.
+    """
+    lengths = torch.tensor([mb.num_tokens for mb in micro_batches], dtype=torch.int64)
+    dist.all_reduce(lengths, op=dist.ReduceOp.MAX, group=group)
+    return [pad_micro_batch(mb, int(n)) for mb, n in zip(micro_batches, lengths.tolist(), strict=True)]
+
+
+def local_cu_seqlens(mb: MicroBatch, cp_size: int) -> torch.Tensor:
+    """Sequence boundaries within this rank's tokens (each sequence holds 1/cp of its padded length)."""
+    return (mb.cu_seqlens_padded // cp_size).to(torch.int32)
+
+
+class _VocabParallel:
+    """Per-token log-probabilities and entropy from vocabulary-sharded logits (TP)."""
+
+    def __init__(self):
+        from megatron.core import parallel_state as ps
+
+        self.group = ps.get_tensor_model_parallel_group()
+        self.size = ps.get_tensor_model_parallel_world_size()
+        self.rank = ps.get_tensor_model_parallel_rank()
+
+    def _sum(self, x: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+        return reduce_from_tensor_model_parallel_region(x) if self.size > 1 else x
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool):
+        logits = logits.float()
+        shard = logits.shape[-1]
+        start = self.rank * shard
+        peak = logits.detach().max(dim=-1).values
+        if self.size > 1:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.group)
+        shifted = logits - peak[:, None]
+        exp = shifted.exp()
+        sum_exp = self._sum(exp.sum(dim=-1))
+        log_z = sum_exp.log()
+        local = labels - start
+        in_shard = (local >= 0) & (local < shard)
+        picked = shifted.gather(-1, local.clamp(0, shard - 1)[:, None]).squeeze(-1) * in_shard
+        logprobs = self._sum(picked) - log_z
+        entropy = None
+        if with_entropy:
+            entropy = log_z - self._sum((exp * shifted).sum(dim=-1)) / sum_exp
+        return logprobs, entropy
+
+
+def _cp_seq_reduce(cp_group, cp_size: int):
+    if cp_size == 1:
+        return lambda t: t
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.nn.functional import all_reduce
+
+        return all_reduce(t, group=cp_group)
+
+    return reduce
+
+
+def train_step(
+    state,
+    micro_batches: list[MicroBatch],
+    loss_fn: LossFn,
+    *,
+    with_entropy: bool = False,
+    forward_only: bool = False,
+) -> StepResult:
+    """Forward-backward over ``micro_batches`` (this DP rank's), then one optimizer step."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not micro_batches:
+        raise ValueError("train_step needs at least one micro-batch (plan with equal_counts=True)")
+    started = time.perf_counter()
+    chunks = state.chunks
+    tconfig = chunks[0].config
+    cp_size = ps.get_context_parallel_world_size()
+    cp_rank = ps.get_context_parallel_rank()
+    dp_cp = ps.get_data_parallel_world_size(with_context_parallel=True)
+    scale = float(len(micro_batches) * dp_cp)
+    vocab = _VocabParallel()
+    seq_reduce = _cp_seq_reduce(ps.get_context_parallel_group() if cp_size > 1 else None, cp_size)
+    if tconfig.num_moe_experts and tconfig.moe_token_dispatcher_type == "allgather":
+        micro_batches = equalize_lengths(micro_batches)
+    if len(chunks) > 1:
+        # the interleaved schedule sizes its receive buffers from seq_length, not per micro-batch
+        longest = max(mb.num_tokens for mb in micro_batches)
+        micro_batches = [pad_micro_batch(mb, longest) for mb in micro_batches]
+    local = [cp_local(mb, cp_size, cp_rank) for mb in micro_batches]
+
+    tconfig.variable_seq_lengths = len(chunks) == 1
+    tconfig.finalize_model_grads_func = finalize_model_grads
+    tconfig.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+
+    def loss_func(mb: MicroBatch, output: torch.Tensor):
+        logits = output.reshape(-1, output.shape[-1])  # [1, T, V/tp] -> [T, V/tp]
+        logprobs, entropy = vocab(logits, mb.labels, with_entropy)
+        result = loss_fn(
+            logprobs, entropy, replace(mb, cu_seqlens_padded=local_cu_seqlens(mb, cp_size)), seq_reduce
+        )
+        return result.loss * scale, torch.tensor(1, dtype=torch.int), {"stats": result.stats}
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        params = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=mb.cu_seqlens,
+            cu_seqlens_kv=mb.cu_seqlens,
+            cu_seqlens_q_padded=mb.cu_seqlens_padded,
+            cu_seqlens_kv_padded=mb.cu_seqlens_padded,
+            max_seqlen_q=mb.max_seqlen,
+            max_seqlen_kv=mb.max_seqlen,
+        )
+        device = next(model.parameters()).device
+        output = model(
+            mb.tokens[None].to(device), mb.position_ids[None].to(device), None, packed_seq_params=params
+        )
+        return output, partial(loss_func, mb)
+
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    state.optimizer.zero_grad()
+    iterators = [iter(local) for _ in chunks]
+    outputs = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(local),
+        seq_length=max(mb.tokens.numel() for mb in local),
+        micro_batch_size=1,
+        forward_only=forward_only,
+    )
+    grad_norm, ok = float("nan"), True
+    if not forward_only:
+        ok, grad_norm, _ = state.optimizer.step()
+        state.scheduler.step(increment=1)
+        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+    stats = _reduce_stats(outputs)
+    tokens = torch.tensor(sum(mb.num_tokens for mb in micro_batches), dtype=torch.float64)
+    dist.all_reduce(tokens, group=ps.get_data_parallel_group())
+    return StepResult(
+        loss=stats.get("loss/total", float("nan")),
+        grad_norm=grad_norm,
+        update_successful=bool(ok),
+        tokens=int(tokens.item()),
+        seconds=time.perf_counter() - started,
+        stats=stats,
+    )
+
+
+def _reduce_stats(outputs: list[dict]) -> dict[str, float]:
+    """Statistics of the whole minibatch, on every rank (the last pipeline stage computes them)."""
+    from megatron.core import parallel_state as ps
+
+    summary: dict[str, float] | None = None
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        stats = StepStats()
+        for out in outputs:
+            stats = stats.merge(out["stats"])
+        summary = stats.all_reduce(group=ps.get_data_parallel_group(with_context_parallel=True)).summary()
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        box = [summary]
+        last = ps.get_pipeline_model_parallel_last_rank()
+        dist.broadcast_object_list(box, src=last, group=ps.get_pipeline_model_parallel_group())
+        summary = box[0]
+    return summary or {}
