@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sft": ("tidal.trainer.sft", "supervised fine-tuning with the same trainer"),
     "convert": ("tidal.weights_sync.convert", "convert Hugging Face <-> megatron-core checkpoints"),
     "plan": ("tidal.plan", "check a mesh and estimate memory per GPU"),
+    "keys": ("tidal.keys", "create ZeroMQ CURVE key pairs: tidal keys DIR NAME [NAME ...]"),
     "config": ("tidal.cli", "print the resolved config"),
 }
 
