@@ -86,6 +86,9 @@ class RolloutAgent:
         self._hurry = asyncio.Event()  # a second signal: skip the drain
         self._changed = asyncio.Event()
         self._group_size = group_size_hint
+        self._group_tasks: set[asyncio.Task] = set()
+        self._failures_in_a_row = 0
+        self.exit_code = 0
         self._base_sampling = {
             "temperature": config.sampling.temperature,
             "top_p": config.sampling.top_p,
@@ -125,12 +128,8 @@ class RolloutAgent:
             self.policy_version,
         )
         heartbeat = asyncio.create_task(self._heartbeat_loop())
-        code = 0
         try:
             await self._lease_loop()
-        except EngineUnavailable as exc:
-            log.error("no engine left to sample with: %s", exc)
-            code = 1
         finally:
             await self._drain()
             heartbeat.cancel()
@@ -139,7 +138,7 @@ class RolloutAgent:
             with contextlib.suppress(BrokerError):
                 await self.client.leave()
             self._log_progress("stopped")
-        return code
+        return self.exit_code
 
     async def _register(self) -> None:
         meta = {
@@ -198,6 +197,8 @@ class RolloutAgent:
             for pg in lease.groups:
                 self._group_size = pg.n
                 t = asyncio.create_task(self._run_group(lease.lease_id, pg), name=f"group {pg.group_id}")
+                self._group_tasks.add(t)
+                t.add_done_callback(self._group_tasks.discard)
                 self.inflight[pg.group_id] = _InFlight(lease.lease_id, pg, t)
 
     async def _wait_change(self, timeout: float | None) -> None:
@@ -230,6 +231,8 @@ class RolloutAgent:
             by_lease.setdefault(f.lease_id, []).append(f.group.group_id)
         for lease_id, ids in by_lease.items():
             await self._release(lease_id, ids)
+        if self._group_tasks:  # finished groups still being submitted
+            await asyncio.wait(self._group_tasks, timeout=self.agent_cfg.broker_timeout_s)
 
     # --- one group -------------------------------------------------------------------------------
 
@@ -238,12 +241,12 @@ class RolloutAgent:
             group = await self._sample_group(pg)
         except asyncio.CancelledError:
             raise
-        except (SampleFailed, EngineUnavailable, ValueError) as exc:
-            self.stats.groups_failed += 1
-            log.error("group %s goes back to the broker: %s", pg.group_id, exc)
+        except Exception as exc:  # noqa: BLE001 - any failure of one group returns it to the broker
+            self._group_failed(pg, exc)
             await self._release(lease_id, [pg.group_id])
             self._done(pg.group_id)
             return
+        self._failures_in_a_row = 0
         self._done(pg.group_id)  # from here on the group is the broker's, not in flight
         try:
             await self.client.submit(lease_id, [group])
@@ -254,6 +257,26 @@ class RolloutAgent:
         except BrokerError as exc:
             self.stats.groups_failed += 1
             log.error("submitting group %s failed: %s", pg.group_id, exc)
+
+    def _group_failed(self, pg: PromptGroup, exc: Exception) -> None:
+        self.stats.groups_failed += 1
+        self._failures_in_a_row += 1
+        expected = isinstance(exc, SampleFailed | EngineUnavailable | ValueError)
+        log.error(
+            "group %s goes back to the broker: %s: %s",
+            pg.group_id,
+            type(exc).__name__,
+            exc,
+            exc_info=None if expected else exc,
+        )
+        if self.pool.all_failed or self._failures_in_a_row >= self.agent_cfg.max_failed_groups:
+            log.error(
+                "giving up after %d failed groups in a row%s",
+                self._failures_in_a_row,
+                " (every engine failed)" if self.pool.all_failed else " (rollout.agent.max_failed_groups)",
+            )
+            self.exit_code = 1
+            self.request_stop()
 
     def _done(self, group_id: str) -> None:
         self.inflight.pop(group_id, None)

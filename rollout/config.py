@@ -109,6 +109,9 @@ class AgentConfig(BaseModel):
     request_timeout_s: float = Field(600.0, gt=0, description="one /generate call")
     engine_start_timeout_s: float = Field(300.0, gt=0, description="an engine must answer within this")
     engine_max_restarts: int = Field(5, ge=0, description="restarts of one crashed child engine")
+    max_failed_groups: int = Field(
+        20, ge=1, description="groups failing in a row (each released) before the node gives up, exit 1"
+    )
     broker_timeout_s: float = Field(30.0, gt=0, description="one broker call")
     curve_secret_key_file: str | None = Field(
         None, description="this node's ZeroMQ CURVE secret certificate (.key_secret); None: no CURVE"

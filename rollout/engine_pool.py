@@ -82,6 +82,11 @@ class EnginePool:
         return [s.url for s in self.slots]
 
     @property
+    def all_failed(self) -> bool:
+        """Every engine gave up restarting: nothing can sample on this node any more."""
+        return all(s.failed for s in self.slots)
+
+    @property
     def capacity(self) -> int:
         return self.concurrency * len(self.slots)
 
@@ -121,7 +126,7 @@ class EnginePool:
                     break
                 if self.closed:
                     raise EngineUnavailable("the engine pool is closed")
-                if all(s.failed for s in self.slots):
+                if self.all_failed:
                     raise EngineUnavailable(
                         f"every engine failed {self.max_restarts} restarts (rollout.agent.engine_max_restarts); "
                         f"see {', '.join(str(s.log_path) for s in self.slots)}"
