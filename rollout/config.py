@@ -33,6 +33,9 @@ class EmbeddedEngineConfig(BaseModel):
         120.0, gt=0, description="collective timeout of weight-update groups joined by the engine"
     )
     served_model_name: str | None = Field(None, description="name reported by /model_info; None: the path")
+    num_threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads of the engine process (CPU); None: torch's default"
+    )
 
 
 class SGLangEngineConfig(BaseModel):

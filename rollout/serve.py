@@ -40,6 +40,10 @@ def main(config, args: list[str]) -> int:
     port = opts.port if opts.port is not None else engine_config.port
     if port == 0:
         port = free_port(host)
+    if engine_config.num_threads is not None:
+        import torch
+
+        torch.set_num_threads(engine_config.num_threads)
     engine = EmbeddedEngine(config.model, engine_config, seed=config.seed)
     engine.start()
     app = create_app(engine, host=host, port=port)

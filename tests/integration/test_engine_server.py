@@ -123,6 +123,7 @@ def engine(tmp_path_factory):
         "rollout.engine.max_batch_size=8",
         f"rollout.engine.max_seq_len={MAX_SEQ}",
         "rollout.engine.weight_update_timeout_s=60",
+        "rollout.engine.num_threads=1",
     ]
     cmd = python_cmd("serve", *overrides, "--port", str(port))
     proc = EngineProcess(
@@ -143,6 +144,20 @@ def local():
     """The same random model in this process (same config and seed), and a loader for updates."""
     lm = build_model(ModelConfig(**MODEL), seed=SEED, device="cpu", dtype="float32")
     return lm, NamedTensorLoader(lm)
+
+
+# long enough (prompt + LONG < MAX_SEQ) that a request is still running when the test acts on it
+LONG = MAX_SEQ - 6
+
+
+async def wait_running(client, n: int, timeout_s: float = 60) -> None:
+    """Until ``n`` requests are decoding (admitted and prefilled, so each has its first tokens)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while asyncio.get_running_loop().time() < deadline:
+        if (await client.server_info())["internal_states"][0]["running"] >= n:
+            return
+        await asyncio.sleep(0.01)
+    raise TimeoutError(f"{n} requests never ran together")
 
 
 def run(coro):
@@ -284,8 +299,10 @@ def test_weight_updates_from_this_process_reach_the_model_mid_request(engine, lo
             await asyncio.to_thread(sender.join, 60)
 
             # a long request in flight across an in-place update: its later tokens carry the new version
-            long = asyncio.create_task(client.generate([5, 6, 7], {"max_new_tokens": 60, "temperature": 0.0}))
-            await asyncio.sleep(0.3)
+            long = asyncio.create_task(
+                client.generate([5, 6, 7], {"max_new_tokens": LONG, "temperature": 0.0})
+            )
+            await wait_running(client, 1)
             await client.pause("in_place")
             names = list(new)
             async with client.weight_update_session():
@@ -345,9 +362,9 @@ def test_weight_updates_from_this_process_reach_the_model_mid_request(engine, lo
     assert (
         [s["version"] for s in spans] == ["default", "1"]
         and spans[0]["start"] == 0
-        and spans[-1]["end"] == 60
+        and spans[-1]["end"] == LONG
     )
-    assert long_result.token_versions == ["default"] * spans[0]["end"] + ["1"] * (60 - spans[0]["end"])
+    assert long_result.token_versions == ["default"] * spans[0]["end"] + ["1"] * (LONG - spans[0]["end"])
     assert long_result.weight_version == "1"
 
     loader.load(list(new.items()))
@@ -376,10 +393,10 @@ def test_abort_request_and_pause_abort_return_partial_outputs(engine):
         client = ValidatingClient(engine.url)
         try:
             a = asyncio.create_task(
-                client.generate([3, 4], {"max_new_tokens": 80, "temperature": 0.0}, rid="to-abort")
+                client.generate([3, 4], {"max_new_tokens": LONG, "temperature": 0.0}, rid="to-abort")
             )
-            b = asyncio.create_task(client.generate([3, 5], {"max_new_tokens": 80, "temperature": 0.0}))
-            await asyncio.sleep(0.3)
+            b = asyncio.create_task(client.generate([3, 5], {"max_new_tokens": LONG, "temperature": 0.0}))
+            await wait_running(client, 2)
             await client.abort("to-abort")
             ra = await a
             await client.pause("abort")
@@ -389,6 +406,8 @@ def test_abort_request_and_pause_abort_return_partial_outputs(engine):
             assert not late.done(), "a request ran while generation was paused"
             await client.resume()
             late_result = await late
+            await client.update_weight_version("5", abort_all_requests=True)
+            assert (await client.model_info())["weight_version"] == "5"
             return ra, rb, late_result, await client.flush_cache()
         finally:
             await client.close()
@@ -396,7 +415,7 @@ def test_abort_request_and_pause_abort_return_partial_outputs(engine):
     ra, rb, late, flushed = run(go())
     for r in (ra, rb):
         parse_generate(r.raw)
-        assert r.aborted and len(r.output_ids) < 80 and len(r.output_logprobs) == len(r.output_ids)
+        assert r.aborted and len(r.output_ids) < LONG and len(r.output_logprobs) == len(r.output_ids)
     assert ra.rid == "to-abort"
     assert late.finish_reason == {"type": "length", "length": 2}
     assert flushed
