@@ -69,7 +69,8 @@ def pack(
             raise ValueError(
                 f"unaligned tensor at byte {offset} for dtype {t.dtype}: keep buckets dtype-homogeneous"
             )
-        buf[offset : offset + n].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
+        # copy straight from (possibly strided) views into the bucket: no intermediate contiguous copy
+        buf[offset : offset + n].view(t.dtype).view(t.shape).copy_(t.detach())
         offset += n
     return buf, spec
 

@@ -21,6 +21,7 @@ class WeightReceiver:
     def __init__(self, device: str = "cpu"):
         self.device = device
         self._groups: dict[str, transport.WeightGroup] = {}
+        self._buffers: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
 
     def init_group(
@@ -55,10 +56,19 @@ class WeightReceiver:
     def destroy_group(self, group_name: str) -> bool:
         with self._lock:
             group = self._groups.pop(group_name, None)
+            self._buffers.pop(group_name, None)
         if group is None:
             return False
         group.destroy()
         return True
+
+    def _buffer(self, group_name: str, nbytes: int) -> torch.Tensor:
+        # reused across buckets: a fresh CPU allocation per bucket costs page faults on every byte
+        buf = self._buffers.get(group_name)
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self._buffers[group_name] = buf
+        return buf[:nbytes]
 
     @property
     def group_names(self) -> list[str]:
@@ -74,7 +84,11 @@ class WeightReceiver:
         group_name: str,
         checksum: int | None = None,
     ) -> list[tuple[str, torch.Tensor]]:
-        """Receive one flattened bucket and return views of its tensors."""
+        """Receive one flattened bucket and return views of its tensors.
+
+        The views share a buffer kept per group (a group's buckets arrive one after another): load them
+        before the next receive on the same group.
+        """
         with self._lock:
             group = self._groups.get(group_name)
         if group is None:
@@ -82,7 +96,7 @@ class WeightReceiver:
                 f"weight-update group {group_name!r} does not exist: call init_weights_update_group first"
             )
         spec = bucket.BucketSpec(names=list(names), dtypes=list(dtypes), shapes=[list(s) for s in shapes])
-        buf = bucket.empty(spec, self.device)
+        buf = self._buffer(group_name, spec.nbytes)
         group.broadcast(buf, src=0)
         if checksum is not None and bucket.checksum(buf) != checksum:
             raise ChecksumMismatch(
@@ -90,3 +104,11 @@ class WeightReceiver:
                 f"{bucket.checksum(buf)} != announced {checksum}"
             )
         return bucket.unpack(buf, spec)
+
+    def receive_raw(self, sizes: list[int], group_name: str) -> None:
+        """Receive plain uint8 broadcasts of ``sizes`` bytes into one reused buffer (benchmark baseline)."""
+        with self._lock:
+            group = self._groups[group_name]
+        buf = torch.empty(max(sizes), dtype=torch.uint8, device=self.device)
+        for n in sizes:
+            group.broadcast(buf[:n], src=0)

@@ -110,6 +110,16 @@ def build_app(timeout_s: float = 60.0) -> FastAPI:
                 state["version"] = body["weight_version"]
         return ok()
 
+    @app.post("/tidal/raw_receive")
+    def raw_receive(body: dict[str, Any]):
+        """Receive plain broadcasts of the given byte sizes (the benchmark's transport ceiling)."""
+        sizes = [int(n) for n in body["sizes"]]
+        try:
+            receiver.receive_raw(sizes, body.get("group_name", "weight_update_group"))
+        except Exception as exc:
+            return fail(f"raw receive failed: {type(exc).__name__}: {exc}")
+        return ok()
+
     @app.get("/tidal/stats")
     def stats():
         with lock:

@@ -96,6 +96,7 @@ class WeightSender:
         self._group: transport.WeightGroup | None = None
         self._group_engines: list[str] = []
         self._generation = itertools.count()
+        self._staging: list[torch.Tensor | None] = [None, None]
         self._pool = ThreadPoolExecutor(
             max_workers=max(4, 2 * len(engines)), thread_name_prefix="weights-http"
         )
@@ -123,6 +124,7 @@ class WeightSender:
             report.dropped.append(url)
 
     def close(self) -> None:
+        self._staging = [None, None]
         self._destroy_group()
         for client in self._clients.values():
             client.close()
@@ -259,9 +261,9 @@ class WeightSender:
     ) -> _Failed | None:
         """Pack buckets here, send them from a second thread; two staging buffers alternate."""
         free: queue.Queue[torch.Tensor | None] = queue.Queue()
-        for _ in range(2):
-            free.put(None)  # allocated on first use, grown for an oversized tensor
-        ready: queue.Queue[tuple[torch.Tensor, bucket.BucketSpec, int | None] | None] = queue.Queue()
+        for staging in self._staging:
+            free.put(staging)  # kept across syncs; allocated on first use, grown for an oversized tensor
+        ready: queue.Queue = queue.Queue()
         errors: list[_Failed] = []
         sender = threading.Thread(
             target=self._send_loop, args=(ready, free, version, report, errors), daemon=True
@@ -276,16 +278,15 @@ class WeightSender:
                 t0 = time.perf_counter()
                 need = sum(t.numel() * t.element_size() for _, t in items)
                 if staging is None or staging.numel() < need:
-                    staging = torch.empty(
-                        max(need, self.config.bucket_bytes), dtype=torch.uint8, device=self.device
-                    )
+                    staging = torch.empty(need, dtype=torch.uint8, device=self.device)
                 buf, spec = bucket.pack(items, out=staging)
                 crc = bucket.checksum(buf) if self.config.verify_checksums else None
                 report.pack_s += time.perf_counter() - t0
-                ready.put((buf, spec, crc))
+                ready.put((staging, buf, spec, crc))
         finally:
             ready.put(None)
             sender.join()
+            self._staging = [free.get() for _ in range(2)]
         _drain(it)  # after a failure: keep gathering so the other ranks' collectives complete
         return errors[0] if errors else None
 
@@ -293,7 +294,7 @@ class WeightSender:
         group = self._group
         assert group is not None
         while (item := ready.get()) is not None:
-            buf, spec, crc = item
+            staging, buf, spec, crc = item
             if not errors:
                 t0 = time.perf_counter()
                 try:
@@ -303,7 +304,7 @@ class WeightSender:
                 report.transfer_s += time.perf_counter() - t0
                 report.buckets += 1
                 report.bytes += buf.numel()
-            free.put(buf)
+            free.put(staging)
 
     def _send_bucket(
         self, group, buf, spec: bucket.BucketSpec, crc: int | None, version: int, report
@@ -338,6 +339,28 @@ class WeightSender:
     def _unhealthy(self, urls: list[str]) -> list[str]:
         futures = {u: self._pool.submit(self._clients[u].health) for u in urls if u in self._clients}
         return _settle(futures, self.config.timeout_s)
+
+
+def raw_broadcast(sender: WeightSender, sizes: list[int]) -> float:
+    """Seconds to broadcast plain buffers of ``sizes`` bytes over the sender's current group: the
+    transport's ceiling for the benchmark. Engines must serve ``/tidal/raw_receive`` (receiver_server)."""
+    group = sender._group
+    if group is None:
+        raise RuntimeError("no weight-update group: run a sync first")
+    buf = torch.ones(max(sizes), dtype=torch.uint8, device=sender.device)
+    t0 = time.perf_counter()
+    futures = {
+        u: sender._pool.submit(
+            sender._clients[u]._post, "/tidal/raw_receive", {"sizes": sizes, "group_name": group.name}
+        )
+        for u in sender._group_engines
+    }
+    for n in sizes:
+        group.broadcast(buf[:n], src=0)
+    failed = _settle(futures, sender.config.timeout_s)
+    if failed:
+        raise RuntimeError(f"raw receive failed on {failed}")
+    return time.perf_counter() - t0
 
 
 def _failed(future: Future, timeout_s: float) -> bool:

@@ -11,12 +11,14 @@ import os
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
-from tidal.procs import free_port
+from tidal.procs import free_port, spawn, stop, wait_for_tcp
 from tidal.weights_sync import hf_io
 from tidal.weights_sync.tiny_models import TINY, save_random_hf
 
@@ -85,6 +87,23 @@ _WORLD4 = _BUILD + textwrap.dedent(
         stage = ps.get_pipeline_model_parallel_rank()
         if tp0:
             save_file({n: t.contiguous() for n, t in exported.items()}, f"{out_dir}/{family}_stage{stage}.safetensors")
+        engines = os.environ.get("TIDAL_TEST_ENGINES")
+        if engines and family == "qwen3_moe":
+            from tidal.weights_sync.config import WeightSyncConfig
+            from tidal.weights_sync.engine_api import EngineEndpoint
+            from tidal.weights_sync.sender import WeightSender
+            sender = WeightSender(
+                WeightSyncConfig(bucket_bytes=128 << 10, timeout_s=60),
+                [EngineEndpoint(u) for u in engines.split(",")],
+                stage=stage,
+                is_sender=tp0,
+            )
+            report = sender.sync(lambda: iter_hf(chunks, mapping, Groups.from_megatron()), version=1)
+            sender.close()
+            if tp0:
+                with open(f"{out_dir}/sync_stage{stage}.json", "w") as f:
+                    json.dump({"ok": report.ok, "buckets": report.buckets, "bytes": report.bytes,
+                               "dropped": report.dropped}, f)
         with torch.no_grad():
             shard = pipeline_logits(chunks, chunks[0].config, tokens(model))
         if shard is not None:
@@ -102,9 +121,13 @@ _WORLD4 = _BUILD + textwrap.dedent(
 )
 
 
-def _run(cmd: list[str], timeout: float) -> str:
+def _run(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> str:
     proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
     )
     errors = [line for line in proc.stderr.splitlines() if "Error" in line or "error:" in line]
     assert proc.returncode == 0, "\n".join(errors[-20:]) + proc.stderr[-3000:]
@@ -117,15 +140,51 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     return {family: save_random_hf(model, root / family, seed=7) for family, model in TINY.items()}
 
 
+PROMPT = [3, 14, 15, 92, 65, 35]
+
+
+def _generate(url: str) -> dict:
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True},
+        "return_logprob": True,
+    }
+    resp = httpx.post(f"{url}/generate", json=body, timeout=60)
+    resp.raise_for_status()
+    return resp.json()
+
+
 @pytest.fixture(scope="module")
-def world4(checkpoints, tmp_path_factory) -> Path:
+def engines(checkpoints, tmp_path_factory):
+    """Embedded engines (``tidal serve``): two start from other weights and are synced by the trainer;
+    one ("fresh") loads the qwen3_moe checkpoint itself."""
+    root = tmp_path_factory.mktemp("engines")
+    stale = save_random_hf(TINY["qwen3_moe"], root / "stale", seed=8)
+    procs, urls = {}, {}
+    try:
+        for name, path in (("a", stale), ("b", stale), ("fresh", checkpoints["qwen3_moe"])):
+            port = free_port()
+            cmd = [sys.executable, "-m", "tidal.cli", "serve", f"model.path={path}", "--port", str(port)]
+            procs[name] = spawn(cmd, root / f"{name}.log", env={"OMP_NUM_THREADS": "1"})
+            urls[name] = f"http://127.0.0.1:{port}"
+        for name, proc in procs.items():
+            wait_for_tcp("127.0.0.1", int(urls[name].rsplit(":", 1)[1]), timeout_s=180, proc=proc)
+        yield urls, {name: _generate(url) for name, url in urls.items()}
+    finally:
+        for proc in procs.values():
+            stop(proc, timeout_s=5)
+
+
+@pytest.fixture(scope="module")
+def world4(checkpoints, engines, tmp_path_factory) -> Path:
+    urls, _ = engines
     out = tmp_path_factory.mktemp("world4")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "--master-addr=127.0.0.1",
         f"--master-port={free_port()}", "--no-python", sys.executable, "-c", _WORLD4,
         str(out), *map(str, checkpoints.values()),
     ]  # fmt: skip
-    _run(cmd, timeout=420)
+    _run(cmd, timeout=420, env={"TIDAL_TEST_ENGINES": f"{urls['a']},{urls['b']}"})
     return out
 
 
@@ -162,3 +221,38 @@ def test_tp2_pp2_ep2_logits_equal_transformers_logits(checkpoints, world4, famil
     # the comparison has power: the logits are far from zero relative to the tolerance
     assert reference.std() > 100 * 1e-5
     torch.testing.assert_close(torch.load(world4 / f"{family}_logits.pt"), reference)  # fp32 tolerances
+
+
+@pytest.mark.slow
+def test_pp2_ep2_trainer_syncs_two_engines_bitwise(checkpoints, engines, world4):
+    urls, before = engines
+    reports = [json.loads((world4 / f"sync_stage{s}.json").read_text()) for s in (0, 1)]
+    assert all(r["ok"] and r["dropped"] == [] and r["buckets"] > 1 for r in reports)
+    original = hf_io.load_tensors(checkpoints["qwen3_moe"])
+
+    def engine_tensor(url: str, tensor_name: str) -> torch.Tensor:
+        body = {"name": tensor_name, "truncate_size": 1 << 20}
+        resp = httpx.post(f"{url}/get_weights_by_name", json=body, timeout=60)
+        resp.raise_for_status()
+        return torch.tensor(resp.json(), dtype=torch.float32)
+
+    with ThreadPoolExecutor(8) as pool:
+        for name in ("a", "b"):
+            got = dict(
+                zip(original, pool.map(lambda n, u=urls[name]: engine_tensor(u, n), original), strict=True)
+            )
+            for tensor_name, tensor in original.items():
+                assert torch.equal(got[tensor_name], tensor), f"engine {name}: {tensor_name}"
+
+
+@pytest.mark.slow
+def test_synced_engines_generate_like_a_fresh_engine_from_the_export(engines, world4):
+    urls, before = engines
+    fresh = _generate(urls["fresh"])
+    # the comparison has power: before the sync the stale engines answered differently
+    assert before["a"]["meta_info"]["output_token_logprobs"] != fresh["meta_info"]["output_token_logprobs"]
+    for name in ("a", "b"):
+        after = _generate(urls[name])
+        assert after["output_ids"] == fresh["output_ids"]
+        assert after["meta_info"]["output_token_logprobs"] == fresh["meta_info"]["output_token_logprobs"]
+        assert after["meta_info"]["weight_version"] == "1"

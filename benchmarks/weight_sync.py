@@ -1,0 +1,226 @@
+"""GB/s of a full weight sync (trainer -> engines) beside a raw broadcast of the same bytes, same transport.
+
+For each model size a Qwen3-style model is sized to the target bytes; its full megatron-core tensors
+(fused QKV, fused gate/up) are the trainer's state. A sync converts them to Hugging Face tensors
+(``convert``), packs flattened buckets (``pack``) and broadcasts them to ``--engines`` receiver
+processes while announcing each bucket over HTTP (``transfer``); the receivers report the time they
+spend copying into their weights (``load``). ``gather`` is the TP/EP all-gather: zero here, where the
+trainer is one rank (the TP2xPP2xEP2 path is exercised by tests/integration/test_weights_megatron.py).
+The ceiling (``raw``) broadcasts buffers of the same sizes over the same group with no HTTP, packing
+or conversion. Each method runs ``--repeats`` times, interleaved; the table shows medians.
+
+    .venv/bin/python benchmarks/weight_sync.py --out runs/bench/weight_sync.json
+    .venv/bin/python benchmarks/weight_sync.py --sizes-mb 10 --repeats 1        # quick look
+
+Engines are ``tidal.weights_sync.receiver_server`` (the routes without a model), so ``load`` is a
+copy into a dict of tensors; ``--backend nccl --device cuda`` runs the same on GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import httpx
+import torch
+
+from tidal.model_config import ModelConfig
+from tidal.procs import free_port, spawn, stop, wait_for_tcp
+from tidal.weights_sync.config import WeightSyncConfig
+from tidal.weights_sync.engine_api import EngineEndpoint
+from tidal.weights_sync.families import mapping_for
+from tidal.weights_sync.gather import GatherTimes
+from tidal.weights_sync.sender import WeightSender, raw_broadcast
+
+
+def model_for_bytes(target: int, dtype_bytes: int) -> ModelConfig:
+    """A Qwen3 architecture whose weights take about ``target`` bytes."""
+    hidden = 256 if target <= 64 << 20 else 512 if target <= 512 << 20 else 1024
+    vocab = 2048 if target <= 64 << 20 else 8192
+    inter, head_dim = 3 * hidden, 64
+    heads, kv = hidden // head_dim, max(1, hidden // head_dim // 2)
+    per_layer = hidden * head_dim * (2 * heads + 2 * kv) + 3 * hidden * inter + 2 * hidden + 2 * head_dim
+    layers = max(1, round((target / dtype_bytes - 2 * vocab * hidden) / per_layer))
+    return ModelConfig(
+        family="qwen3",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        intermediate_size=inter,
+    )
+
+
+def megatron_state(model: ModelConfig, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
+    """Full megatron-core tensors of ``model`` (values are irrelevant to throughput: constant fill)."""
+    mapping = mapping_for(model)
+    h, hd = model.hidden_size, model.head_dim
+    qkv_rows = hd * (model.num_attention_heads + 2 * model.num_key_value_heads)
+    shapes = {
+        "embedding.word_embeddings.weight": (model.vocab_size, h),
+        "output_layer.weight": (model.vocab_size, h),
+        "decoder.final_layernorm.weight": (h,),
+    }
+    for i in range(model.num_hidden_layers):
+        p = f"decoder.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "self_attention.linear_qkv.weight": (qkv_rows, h),
+            p + "self_attention.q_layernorm.weight": (hd,),
+            p + "self_attention.k_layernorm.weight": (hd,),
+            p + "self_attention.linear_proj.weight": (h, hd * model.num_attention_heads),
+            p + "pre_mlp_layernorm.weight": (h,),
+            p + "mlp.linear_fc1.weight": (2 * model.intermediate_size, h),
+            p + "mlp.linear_fc2.weight": (h, model.intermediate_size),
+        }
+    for name in shapes:
+        mapping.rule_for(name)  # every benchmark tensor is one the mapping knows
+    return {n: torch.full(s, 0.5, dtype=dtype, device=device) for n, s in shapes.items()}
+
+
+def start_receivers(n: int, logdir: Path):
+    procs, urls = [], []
+    for i in range(n):
+        port = free_port()
+        cmd = [
+            sys.executable,
+            "-m",
+            "tidal.weights_sync.receiver_server",
+            "--port",
+            str(port),
+            "--timeout-s",
+            "600",
+        ]
+        procs.append(spawn(cmd, logdir / f"receiver{i}.log"))
+        urls.append(f"http://127.0.0.1:{port}")
+    for proc, url in zip(procs, urls, strict=True):
+        wait_for_tcp("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout_s=120, proc=proc)
+    return procs, urls
+
+
+def run_size(sender: WeightSender, urls: list[str], target: int, args) -> dict:
+    dtype = getattr(torch, args.dtype)
+    model = model_for_bytes(target, dtype.itemsize)
+    mapping = mapping_for(model)
+    state = megatron_state(model, dtype, args.device)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    full, raw = [], []
+    for _ in range(args.repeats):
+        for url in urls:
+            httpx.post(f"{url}/tidal/reset_stats", json={}, timeout=30).raise_for_status()
+        times = GatherTimes()
+
+        def source(times=times):
+            import time
+
+            for name, tensor in state.items():
+                t0 = time.perf_counter()
+                converted = mapping.to_hf(name, tensor)
+                times.convert_s += time.perf_counter() - t0
+                yield from converted
+
+        report = sender.sync(source, version=1)
+        if not report.ok or report.dropped:
+            raise RuntimeError(f"sync failed: {report}")
+        stats = [httpx.get(f"{u}/tidal/stats", timeout=30).json() for u in urls]
+        full.append(
+            dict(
+                wall_s=report.wall_s,
+                gather_s=times.gather_s,
+                convert_s=times.convert_s,
+                pack_s=report.pack_s,
+                transfer_s=report.transfer_s,
+                load_s=max(s["load_s"] for s in stats),
+                bytes=report.bytes,
+                buckets=report.buckets,
+            )
+        )
+        sizes = _bucket_sizes(nbytes, args.bucket_mb << 20)
+        raw.append(raw_broadcast(sender, sizes))
+    med = {k: statistics.median(r[k] for r in full) for k in full[0]}
+    raw_s = statistics.median(raw)
+    return dict(
+        target_mb=target >> 20,
+        bytes=nbytes,
+        layers=model.num_hidden_layers,
+        hidden=model.hidden_size,
+        sync=med,
+        sync_gbps=nbytes / med["wall_s"] / 1e9,
+        raw_s=raw_s,
+        raw_gbps=nbytes / raw_s / 1e9,
+        ratio=(nbytes / med["wall_s"]) / (nbytes / raw_s),
+        runs=dict(sync=full, raw=raw),
+    )
+
+
+def _bucket_sizes(total: int, bucket: int) -> list[int]:
+    sizes = [bucket] * (total // bucket)
+    if total % bucket:
+        sizes.append(total % bucket)
+    return sizes
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes-mb", type=int, nargs="+", default=[10, 100, 500, 2000])
+    p.add_argument("--engines", type=int, default=1)
+    p.add_argument("--bucket-mb", type=int, default=WeightSyncConfig().bucket_bytes >> 20)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+
+    logdir = Path(args.out.parent if args.out else "runs/bench") / "weight_sync_logs"
+    procs, urls = start_receivers(args.engines, logdir)
+    config = WeightSyncConfig(bucket_bytes=args.bucket_mb << 20, timeout_s=600)
+    sender = WeightSender(config, [EngineEndpoint(u) for u in urls], backend=args.backend, device=args.device)
+    results = []
+    try:
+        for mb in args.sizes_mb:
+            results.append(run_size(sender, urls, mb << 20, args))
+            _print(results[-1:], header=len(results) == 1)
+    finally:
+        sender.close()
+        for proc in procs:
+            stop(proc, timeout_s=5)
+    meta = dict(
+        engines=args.engines,
+        bucket_mb=args.bucket_mb,
+        repeats=args.repeats,
+        dtype=args.dtype,
+        backend=args.backend,
+        device=args.device,
+        torch=torch.__version__,
+    )
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _print(results: list[dict], header: bool) -> None:
+    if header:
+        print(
+            f"{'size':>7} {'bytes':>12} {'sync GB/s':>9} {'raw GB/s':>8} {'ratio':>6} | "
+            f"{'gather':>7} {'convert':>7} {'pack':>7} {'transfer':>8} {'load':>7} {'wall':>7} (s, medians)"
+        )
+    for r in results:
+        s = r["sync"]
+        print(
+            f"{r['target_mb']:>5}MB {r['bytes']:>12} {r['sync_gbps']:>9.2f} {r['raw_gbps']:>8.2f} {r['ratio']:>6.2f} | "
+            f"{s['gather_s']:>7.3f} {s['convert_s']:>7.3f} {s['pack_s']:>7.3f} {s['transfer_s']:>8.3f} "
+            f"{s['load_s']:>7.3f} {s['wall_s']:>7.3f}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
