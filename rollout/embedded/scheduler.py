@@ -30,7 +30,7 @@ from tidal.rollout.embedded.sampling import SamplingParams, sample
 DEFAULT_VERSION = "default"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two requests with equal fields are still two requests
 class Request:
     input_ids: list[int]
     params: SamplingParams
