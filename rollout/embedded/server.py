@@ -84,6 +84,7 @@ class UpdateDistributedBody(_Body):
     load_format: str | None = None
     selector: Literal["target", "draft", "all"] = "all"
     torch_empty_cache: bool = False
+    checksum: int | None = None  # tidal's extension: CRC32 of a flattened bucket (SGLang ignores it)
 
 
 class UpdateVersionBody(_Body):
@@ -254,6 +255,7 @@ def create_app(engine: EmbeddedEngine, *, host: str = "", port: int = 0) -> Fast
                 load_format=body.load_format,
                 weight_version=body.weight_version,
                 abort_all_requests=body.abort_all_requests,
+                checksum=body.checksum,
             )
         except (*ENGINE_ERRORS, RuntimeError) as exc:
             return result(False, f"Failed to update parameter online: {exc}")

@@ -162,6 +162,7 @@ class EmbeddedEngine:
         load_format: str | None,
         weight_version: str | None,
         abort_all_requests: bool,
+        checksum: int | None = None,
     ) -> None:
         """Receive in a worker thread (generation goes on), then load between steps, with the new version."""
         async with self._update_lock:
@@ -174,6 +175,7 @@ class EmbeddedEngine:
                 shapes=shapes,
                 group_name=group_name,
                 load_format=load_format,
+                checksum=checksum,
             )
             self.loader.check(received)
 

@@ -39,11 +39,6 @@ class WeightReceiver:
         backend: str,
     ) -> None:
         """Join ``group_name`` as rank ``rank_offset`` (the engine is one process); blocks until all ranks joined."""
-        if group_name in self.groups:
-            raise WeightUpdateError(
-                f"weight update group {group_name!r} already exists; destroy it first "
-                "(/destroy_weights_update_group)"
-            )
         if backend == "nccl" and self.device.type != "cuda":
             raise WeightUpdateError(
                 f"backend='nccl' needs a CUDA engine; this engine runs on {self.device}; use 'gloo'"
@@ -52,6 +47,10 @@ class WeightReceiver:
             raise WeightUpdateError(
                 f"rank_offset={rank_offset} must be in [1, world_size={world_size}) (rank 0 is the sender)"
             )
+        with self._lock:
+            old = self.groups.pop(group_name, None)
+        if old is not None:  # the sender rebuilt the group (a node joined or left): replace ours
+            old.destroy()
         group = create_group(
             master_address=master_address,
             master_port=master_port,
@@ -89,8 +88,12 @@ class WeightReceiver:
         shapes: list[list[int]],
         group_name: str,
         load_format: str | None,
+        checksum: int | None = None,
     ) -> list[tuple[str, torch.Tensor]]:
-        """Receive the announced tensors from group rank 0 (blocking)."""
+        """Receive the announced tensors from group rank 0 (blocking).
+
+        ``checksum`` (tidal's extension, flattened buckets only): the CRC32 the sender announced.
+        """
         group = self._group(group_name)
         if not (len(names) == len(dtypes) == len(shapes)) or not names:
             raise WeightUpdateError(
@@ -106,6 +109,11 @@ class WeightReceiver:
         if load_format == "flattened_bucket":
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             group.broadcast(buf, src=0)
+            if checksum is not None and bucket.checksum(buf) != checksum:
+                raise WeightUpdateError(
+                    f"bucket of {len(names)} tensors ({names[0]} ...) in group {group_name}: checksum "
+                    f"{bucket.checksum(buf)} != announced {checksum}"
+                )
             return bucket.unpack(buf, spec)
         if load_format not in (None, "auto", "direct"):
             raise WeightUpdateError(

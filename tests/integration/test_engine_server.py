@@ -349,8 +349,53 @@ def test_weight_updates_from_this_process_reach_the_model_mid_request(engine, lo
                     ),
                     [bad],
                 )
+            # tidal's checksum extension: a corrupted bucket is refused and nothing is loaded
+            small = [(names[0], torch.ones_like(new[names[0]]))]
+            small_buf, small_spec = bucket.pack(small)
+            body = {
+                "names": small_spec.names,
+                "dtypes": small_spec.dtypes,
+                "shapes": small_spec.shapes,
+                "group_name": group_name,
+                "load_format": "flattened_bucket",
+                "checksum": bucket.checksum(small_buf) + 1,
+            }
+            async with httpx.AsyncClient(base_url=engine.url, timeout=60) as raw_http:
+                post = raw_http.post("/update_weights_from_distributed", json=body)
+                refused, _ = await asyncio.gather(
+                    post, asyncio.to_thread(holder["group"].broadcast, small_buf, 0)
+                )
             info = await client.model_info()
+
+            # the sender rebuilds its group under the same name (nodes joined or left): the engine follows
+            holder["group"].destroy()
+            port2 = free_port()
+            sender = threading.Thread(target=_sender_group, args=(port2, group_name, holder))
+            sender.start()
+            await client.init_weights_update_group(
+                master_address="127.0.0.1",
+                master_port=port2,
+                rank_offset=1,
+                world_size=2,
+                group_name=group_name,
+                backend="gloo",
+            )
+            await asyncio.to_thread(sender.join, 60)
+            await broadcast_with(
+                client.update_weights_from_distributed(
+                    names=small_spec.names,
+                    dtypes=small_spec.dtypes,
+                    shapes=small_spec.shapes,
+                    group_name=group_name,
+                    load_format="flattened_bucket",
+                    weight_version="3",
+                ),
+                [small_buf],
+            )
+            rebuilt = await client.get_weights_by_name(names[0], truncate_size=2)
             await client.destroy_weights_update_group(group_name)
+            assert refused.status_code == 400 and "checksum" in refused.json()["message"], refused.text
+            assert torch.equal(torch.tensor(rebuilt), torch.ones_like(new[names[0]])[:2])
             return names, long_result, served, after_first, after_second, info
         finally:
             holder["group"].destroy() if "group" in holder else None
