@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -9,7 +11,19 @@ class WeightSyncConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     every_steps: int = Field(1, ge=1, description="sync after every k optimizer steps")
-    bucket_bytes: int = Field(512 << 20, gt=0)
-    master_port: int = Field(0, ge=0, description="0: pick a free port")
+    bucket_bytes: int = Field(
+        512 << 20, gt=0, description="flattened bucket size; the sender keeps two staging buffers of it"
+    )
+    master_port: int = Field(
+        0, ge=0, description="0: pick a free port; else pipeline stage s uses master_port + s"
+    )
+    master_address: str | None = Field(
+        None, description="address engines reach each sender at; None: this host's resolved name"
+    )
     timeout_s: float = Field(60.0, gt=0, description="a node that does not answer in time is dropped")
-    verify_checksums: bool = False
+    verify_checksums: bool = Field(False, description="send a CRC32 per bucket for the engine to compare")
+    pause_mode: Literal["in_place", "abort", "retract"] | None = Field(
+        "in_place",
+        description="/pause_generation mode around a sync (SGLang's); None: do not pause",
+    )
+    retries: int = Field(1, ge=0, description="attempts after one that lost an engine (rebuilt without it)")

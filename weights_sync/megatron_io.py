@@ -171,3 +171,53 @@ def _load(path: Path) -> dict[str, torch.Tensor]:
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing: the converted checkpoint is incomplete")
     return load_file(str(path))
+
+
+def load_into_chunks(chunks: list[torch.nn.Module], directory: str | Path) -> int:
+    """Load this rank's files of a converted directory into its model chunks (the mesh must match).
+
+    Returns the number of tensors loaded; every parameter of the chunks must be in the files.
+    """
+    from megatron.core import parallel_state as ps
+
+    from tidal.weights_sync.gather import named_tensors, unwrap
+
+    _, mesh, _, _ = read_meta(directory)
+    running = Mesh(
+        tp=ps.get_tensor_model_parallel_world_size(),
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        vpp=len(chunks),
+        ep=ps.get_expert_model_parallel_world_size(),
+        etp=ps.get_expert_tensor_parallel_world_size(),
+    )
+    if running != mesh:
+        raise ValueError(
+            f"{directory} was converted for {mesh} but the trainer runs {running}: convert again"
+        )
+    d = Path(directory) / f"pp{ps.get_pipeline_model_parallel_rank()}_chunk"
+    loaded = 0
+    for v, chunk in enumerate(chunks):
+        files = [d.with_name(d.name + f"{v}") / f"tp{ps.get_tensor_model_parallel_rank()}.safetensors"]
+        files.append(
+            files[0].with_name(
+                f"ep{ps.get_expert_model_parallel_rank()}_etp{ps.get_expert_tensor_parallel_rank()}.safetensors"
+            )
+        )
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            if f.exists():
+                state.update(load_file(str(f)))
+        for name, tensor, is_param in named_tensors(unwrap(chunk)):
+            key = canonical_name(name)
+            if key not in state:
+                if is_param:
+                    raise KeyError(f"{directory}: no tensor for {name} in {[str(f) for f in files]}")
+                continue
+            if state[key].shape != tensor.shape:
+                raise ValueError(
+                    f"{name}: file shape {list(state[key].shape)} != parameter {list(tensor.shape)}"
+                )
+            with torch.no_grad():
+                tensor.copy_(state[key])
+            loaded += 1
+    return loaded

@@ -78,7 +78,6 @@ class WeightSender:
         backend: str = "gloo",
         master_address: str = "127.0.0.1",
         device: str | torch.device = "cpu",
-        pause_mode: str | None = None,
         barrier: Callable[[], None] | None = None,
         any_failed: Callable[[bool], bool] | None = None,
     ):
@@ -89,7 +88,7 @@ class WeightSender:
         self.backend = backend
         self.master_address = master_address
         self.device = torch.device(device)
-        self.pause_mode = pause_mode
+        self.pause_mode = config.pause_mode
         self._barrier = barrier or _default_barrier
         self._any_failed = any_failed or _default_any_failed
         self._clients: dict[str, EngineWeightsClient] = {}
@@ -198,10 +197,11 @@ class WeightSender:
             raise _Failed(f"engines {failed} did not join {name}")
 
     # ---- sync --------------------------------------------------------------------------------
-    def sync(self, source: TensorSource, version: int, retries: int = 1) -> SyncReport:
+    def sync(self, source: TensorSource, version: int, retries: int | None = None) -> SyncReport:
         """Send the weights of ``version``; collective over all trainer ranks. ``source()`` makes the iterator."""
         report = SyncReport(version=version)
         t0 = time.perf_counter()
+        retries = self.config.retries if retries is None else retries
         for attempt in range(1 + retries):
             report.attempts = attempt + 1
             failed = False

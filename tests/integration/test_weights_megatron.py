@@ -20,6 +20,7 @@ import torch
 
 from tidal.procs import free_port, spawn, stop, wait_for_tcp
 from tidal.weights_sync import hf_io
+from tidal.weights_sync.megatron_io import Mesh, save_megatron
 from tidal.weights_sync.tiny_models import TINY, save_random_hf
 
 # Shared by both children: build the model for a mesh and load a HF directory into it.
@@ -81,6 +82,16 @@ _WORLD4 = _BUILD + textwrap.dedent(
         mesh = {"tp": 2, "pp": 2} | ({"ep": 2} if family != "qwen3" else {"vpp": 2})
         model, mapping, chunks, hf, loaded = build(d, **mesh)
         exported = dict(iter_hf(chunks, mapping, Groups.from_megatron()))
+        # the same weights from the directory `tidal convert` wrote for this mesh
+        from tidal.weights_sync.megatron_io import load_into_chunks
+        before = [{n: t.clone() for n, t in c.state_dict().items() if torch.is_tensor(t)} for c in chunks]
+        for c in chunks:
+            for p in c.parameters():
+                p.data.zero_()
+        load_into_chunks(chunks, d + "_megatron")
+        converted_equal = all(
+            torch.equal(t, c.state_dict()[n]) for b, c in zip(before, chunks) for n, t in b.items()
+        )
         all_loaded = [None] * dist.get_world_size()
         dist.all_gather_object(all_loaded, sorted(loaded))
         tp0 = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
@@ -91,15 +102,12 @@ _WORLD4 = _BUILD + textwrap.dedent(
         if engines and family == "qwen3_moe":
             from tidal.weights_sync.config import WeightSyncConfig
             from tidal.weights_sync.engine_api import EngineEndpoint
-            from tidal.weights_sync.sender import WeightSender
-            sender = WeightSender(
-                WeightSyncConfig(bucket_bytes=128 << 10, timeout_s=60),
-                [EngineEndpoint(u) for u in engines.split(",")],
-                stage=stage,
-                is_sender=tp0,
-            )
-            report = sender.sync(lambda: iter_hf(chunks, mapping, Groups.from_megatron()), version=1)
-            sender.close()
+            from tidal.weights_sync.trainer_sync import TrainerWeightSync
+
+            config = WeightSyncConfig(bucket_bytes=128 << 10, timeout_s=60, master_address="127.0.0.1")
+            sync = TrainerWeightSync(config, model, chunks, [EngineEndpoint(u) for u in engines.split(",")])
+            report = sync.after_step(step=1, version=1)
+            sync.close()
             if tp0:
                 with open(f"{out_dir}/sync_stage{stage}.json", "w") as f:
                     json.dump({"ok": report.ok, "buckets": report.buckets, "bytes": report.bytes,
@@ -116,6 +124,11 @@ _WORLD4 = _BUILD + textwrap.dedent(
             loaded_anywhere = set().union(*map(set, all_loaded))
             with open(f"{out_dir}/{family}_not_loaded.json", "w") as f:
                 json.dump(sorted(set(full) - loaded_anywhere), f)
+        flags = [None] * dist.get_world_size()
+        dist.all_gather_object(flags, converted_equal)
+        if dist.get_rank() == 0:
+            with open(f"{out_dir}/{family}_converted_equal.json", "w") as f:
+                json.dump(flags, f)
     parallel.shutdown()
     """
 )
@@ -179,6 +192,10 @@ def engines(checkpoints, tmp_path_factory):
 def world4(checkpoints, engines, tmp_path_factory) -> Path:
     urls, _ = engines
     out = tmp_path_factory.mktemp("world4")
+    for family, directory in checkpoints.items():  # what `tidal convert --to megatron` writes for the mesh
+        mesh = Mesh(tp=2, pp=2, ep=2) if TINY[family].is_moe else Mesh(tp=2, pp=2, vpp=2)
+        model = hf_io.load_config(directory)
+        save_megatron(f"{directory}_megatron", hf_io.load_tensors(directory), model, mesh, model.vocab_size)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "--master-addr=127.0.0.1",
         f"--master-port={free_port()}", "--no-python", sys.executable, "-c", _WORLD4,
@@ -204,6 +221,9 @@ def test_tp2_pp2_ep2_export_is_bitwise(checkpoints, world4, family):
 
     assert json.loads((world4 / f"{family}_not_loaded.json").read_text()) == [], (
         "checkpoint tensors with no place in the megatron-core model"
+    )
+    assert json.loads((world4 / f"{family}_converted_equal.json").read_text()) == [True] * 4, (
+        "loading the converted megatron-core directory must give the weights loaded from Hugging Face"
     )
     original = hf_io.load_tensors(checkpoints[family])
     exported = load_file(world4 / f"{family}_stage0.safetensors") | load_file(
