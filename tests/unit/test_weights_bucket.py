@@ -1,0 +1,50 @@
+"""Flattened buckets: streaming planner, packing strided views, checksums."""
+
+from __future__ import annotations
+
+import torch
+
+from tidal.weights_sync import bucket
+
+
+def test_stream_buckets_are_dtype_homogeneous_bounded_and_complete():
+    tensors = [(f"f{i}", torch.randn(100)) for i in range(5)] + [
+        (f"b{i}", torch.randn(300).bfloat16()) for i in range(3)
+    ]
+    tensors.insert(2, ("big", torch.randn(1000)))  # larger than a bucket: goes alone
+    buckets = list(bucket.stream_buckets(tensors, bucket_bytes=1000))
+    assert sorted(n for b in buckets for n, _ in b) == sorted(n for n, _ in tensors)
+    for b in buckets:
+        assert len({t.dtype for _, t in b}) == 1
+        size = sum(t.numel() * t.element_size() for _, t in b)
+        assert size <= 1000 or len(b) == 1
+    assert sorted(map(len, buckets)) == sorted(map(len, bucket.plan_buckets(tensors, 1000)))
+
+
+def test_pack_copies_strided_views_and_unpack_restores_them():
+    base = torch.randn(6, 8)
+    items = [("t", base.t()), ("slice", base[:, 2:5]), ("row", base[1])]
+    staging = torch.empty(4096, dtype=torch.uint8)
+    buf, spec = bucket.pack(items, out=staging)
+    assert buf.data_ptr() == staging.data_ptr() and buf.numel() == spec.nbytes
+    for (name, original), (got_name, got) in zip(items, bucket.unpack(buf, spec), strict=True):
+        assert name == got_name and torch.equal(got, original)
+
+
+def test_checksum_detects_a_flipped_byte():
+    buf, _ = bucket.pack([("w", torch.randn(64))])
+    crc = bucket.checksum(buf)
+    buf[17] ^= 1
+    assert bucket.checksum(buf) != crc
+
+
+def test_stream_buckets_yield_before_the_source_is_exhausted():
+    consumed = []
+
+    def source():
+        for i in range(10):
+            consumed.append(i)
+            yield f"w{i}", torch.zeros(100)
+
+    first = next(iter(bucket.stream_buckets(source(), bucket_bytes=800)))
+    assert len(first) == 2 and len(consumed) == 3  # the third tensor closed the first bucket
