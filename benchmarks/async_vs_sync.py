@@ -20,9 +20,16 @@ oldest token version).
 The default scale: 2 nodes x 8 slots, batches of 16 groups x 4 samples, 1 ms per token, lengths
 lognormal(median 128, sigma 1) capped at 2048. A batch is 4x the slots, so a balanced train step lasts about
 four average generations and the longest (16x the median) spans a few steps, as when long-reasoning
-rollouts meet a large batch. A full run (sync and eta = 1, 2, 4, 40 steps each) takes about 4 minutes.
+rollouts meet a large batch. A full run (sync and eta = 1, 2, 4, 40 steps each) takes about 5 minutes.
+
+A second limit is printed beside the ideal bound: a node agent keeps at most ``max_inflight_groups``
+groups in flight, and a group holds its place until its longest sample ends, so rollout cannot exceed
+``nodes * groups * G / (per-token time * E[longest of G])`` (Little's law). With the agent's default
+(``ceil(concurrency / G) + 1``) that is below the slots' capacity under long tails;
+``--max-inflight-groups`` raises it.
 
     .venv/bin/python benchmarks/async_vs_sync.py --out runs/bench/async_vs_sync.json
+    .venv/bin/python benchmarks/async_vs_sync.py --max-inflight-groups 6 --out runs/bench/async_vs_sync_if6.json
     .venv/bin/python benchmarks/async_vs_sync.py --steps 8 --median-tokens 64 --etas 2   # quick look
 """
 
@@ -33,6 +40,7 @@ import asyncio
 import itertools
 import json
 import logging
+import math
 import statistics
 import sys
 import tempfile
@@ -107,6 +115,10 @@ def capacities(cfg: BenchConfig) -> dict[str, Any]:
     cost = TrainStepCost(overhead_s=cfg.train_overhead_s, per_token_s=per_token)
     trainer = cfg.batch_samples / cost.seconds(cfg.batch_samples * tokens_per_sample)
     ideal = min(rollout, trainer)
+    # RolloutAgent.max_inflight_groups's default: enough groups to fill the slots, plus one
+    groups_in_flight = cfg.max_inflight_groups or math.ceil(cfg.concurrency / cfg.group_size) + 1
+    longest_of_group = cfg.lengths.mean_max(cfg.group_size)
+    inflight = cfg.nodes * groups_in_flight * cfg.group_size / (cfg.per_token_s * longest_of_group)
     derivation = [
         f"E[output length] = {mean_len:.1f} tokens ({cfg.lengths.describe()})",
         f"rollout capacity = slots / (per-token time * E[L]) = {cfg.slots} / ({cfg.per_token_s * 1e3:g} ms * "
@@ -117,12 +129,20 @@ def capacities(cfg: BenchConfig) -> dict[str, Any]:
         f"trainer capacity = {cfg.batch_samples} samples / step = {trainer:.1f} samples/s "
         f"(balance {cfg.balance:g} x rollout)",
         f"ideal bound = min(rollout, trainer) = {ideal:.1f} samples/s",
+        f"not part of the bound: with at most {groups_in_flight} groups in flight per node (the agent's "
+        f"max_inflight_groups), each held until its longest sample ends (E[longest of {cfg.group_size}] = "
+        f"{longest_of_group:.1f} tokens), rollout cannot exceed nodes * groups * G / (per-token time * "
+        f"E[longest]) = {cfg.nodes} * {groups_in_flight} * {cfg.group_size} / ({cfg.per_token_s * 1e3:g} ms * "
+        f"{longest_of_group:.1f}) = {inflight:.1f} samples/s (Little's law)",
     ]
     return {
         "mean_output_tokens": mean_len,
         "rollout_samples_per_s": rollout,
         "trainer_samples_per_s": trainer,
         "ideal_samples_per_s": ideal,
+        "groups_in_flight_per_node": groups_in_flight,
+        "mean_longest_of_group_tokens": longest_of_group,
+        "inflight_bound_samples_per_s": inflight,
         "train_step": cost.model_dump(),
         "derivation": derivation,
     }
@@ -402,7 +422,9 @@ def parse_args(argv: list[str]) -> tuple[BenchConfig, argparse.Namespace]:
     return cfg, a
 
 
-def table(results: list[dict], ideal: float, mean_len: float) -> str:
+def table(results: list[dict], cap: dict[str, Any]) -> str:
+    ideal, mean_len = cap["ideal_samples_per_s"], cap["mean_output_tokens"]
+    inflight = cap["inflight_bound_samples_per_s"]
     sync = results[0]["samples_per_s"]
     head = (
         f"{'mode':<14}{'samples/s':>10}{'x sync':>8}{'/ ideal':>9}{'step s':>8}{'trainer busy':>14}"
@@ -417,10 +439,11 @@ def table(results: list[dict], ideal: float, mean_len: float) -> str:
             f"{st['mean']:>13.2f} / {st['max']:<4d}{r['dropped_stale_groups']!s:>9}"
             f"{r['mean_response_tokens']:>10.1f}"
         )
-    rows.append(f"{'ideal bound':<14}{ideal:>10.1f}{ideal / sync:>8.2f}{1.0:>9.2f}{'':>60}{mean_len:>10.1f}")
+    rows.append(f"{'ideal bound':<14}{ideal:>10.1f}{ideal / sync:>8.2f}{1.0:>9.2f}{'':>51}{mean_len:>10.1f}")
+    rows.append(f"{'in-flight cap':<14}{inflight:>10.1f}{inflight / sync:>8.2f}{inflight / ideal:>9.2f}")
     rows.append(
         "dropped: groups the broker dropped as staler than eta; mean len: response tokens per trained sample "
-        "(the last row: the distribution's mean)"
+        "(ideal bound's row: the distribution's mean); in-flight cap: the agent's max_inflight_groups limit"
     )
     return "\n".join(rows)
 
@@ -442,7 +465,7 @@ def main(argv: list[str]) -> int:
             results.append(r)
     ideal = cap["ideal_samples_per_s"]
     print()
-    print(table(results, ideal, cap["mean_output_tokens"]))
+    print(table(results, cap))
     sync = results[0]["samples_per_s"]
     goal = None
     eta2 = next((r for r in results if r["eta"] == 2), None)

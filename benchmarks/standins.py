@@ -55,12 +55,16 @@ class LogNormalLengths(BaseModel):
         return np.clip(np.ceil(x), 1, self.max_tokens).astype(np.int64)
 
     def mean(self) -> float:
-        """Exact ``E[min(max_tokens, max(1, ceil(X)))] = 1 + sum_{j=1}^{max_tokens-1} P(X > j)``."""
+        return self.mean_max(1)
+
+    def mean_max(self, k: int) -> float:
+        """Exact expected longest of ``k`` draws: ``E[max] = sum_{j=0}^{max_tokens-1} (1 - P(L <= j)^k)``,
+        where ``P(L <= j) = P(X <= j)`` for integers ``j >= 1`` and ``P(L <= 0) = 0``."""
         mu, s = math.log(self.median), self.sigma
-        tail = sum(
-            0.5 * math.erfc((math.log(j) - mu) / (s * math.sqrt(2))) for j in range(1, self.max_tokens)
-        )
-        return 1.0 + tail
+        below = [
+            1 - 0.5 * math.erfc((math.log(j) - mu) / (s * math.sqrt(2))) for j in range(1, self.max_tokens)
+        ]
+        return 1.0 + sum(1 - p**k for p in below)
 
     def describe(self) -> str:
         return f"lognormal(median={self.median:g}, sigma={self.sigma:g}), ceil, capped at {self.max_tokens}"
@@ -89,6 +93,12 @@ class EmpiricalLengths(BaseModel):
 
     def mean(self) -> float:
         return float(self._values.mean())
+
+    def mean_max(self, k: int) -> float:
+        """Exact expected longest of ``k`` draws: ``sum_{j=0}^{max-1} (1 - P(L <= j)^k)``."""
+        ordered = np.sort(self._values)
+        below = np.searchsorted(ordered, np.arange(int(ordered[-1])), side="right") / ordered.size
+        return float(np.sum(1 - below**k))
 
     def describe(self) -> str:
         return f"empirical({self.path}: {len(self._values)} lengths, capped at {self.max_tokens})"

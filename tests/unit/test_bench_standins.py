@@ -40,6 +40,21 @@ def test_lognormal_mean_is_exact_for_the_sampler():
     assert abs(draws.mean() - dist.mean()) < 5 * standard_error
 
 
+def test_expected_longest_of_k_draws_is_exact():
+    dist = LogNormalLengths(median=40, sigma=1.0, max_tokens=300)
+    longest = dist.draw(np.random.default_rng(2), (100_000, 4)).max(axis=1)
+    assert abs(longest.mean() - dist.mean_max(4)) < 5 * longest.std() / math.sqrt(longest.size)
+    assert dist.mean_max(1) == dist.mean()
+
+
+def test_empirical_expected_longest(tmp_path):
+    path = tmp_path / "lengths.json"
+    path.write_text("[1, 3]")
+    dist = EmpiricalLengths(path=str(path))
+    assert dist.mean_max(1) == pytest.approx(2.0)
+    assert dist.mean_max(2) == pytest.approx(1 * 0.25 + 3 * 0.75)
+
+
 def test_lognormal_default_has_a_long_tail():
     dist = LogNormalLengths()
     draws = dist.draw(np.random.default_rng(1), 200_000)
