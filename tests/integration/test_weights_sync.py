@@ -98,6 +98,25 @@ def test_sync_delivers_every_tensor_bitwise_to_every_engine(receivers, checkpoin
 
 
 @pytest.mark.slow
+def test_a_joining_engine_gets_everything_at_the_next_sync(receivers, checkpoint, tmp_path):
+    _, urls = receivers
+    sender = WeightSender(WeightSyncConfig(bucket_bytes=256 << 10, timeout_s=20), [EngineEndpoint(urls[0])])
+    try:
+        changed = {n: t + 1 for n, t in checkpoint.items()}
+        assert sender.sync(lambda: iter(changed.items()), version=7).ok
+        sender.set_engines([EngineEndpoint(u) for u in urls])  # a node joined
+        report = sender.sync(lambda: iter(changed.items()), version=8)
+        assert report.ok and report.engines == urls
+        for i, url in enumerate(urls):
+            got = _engine_tensors(url, tmp_path / f"engine{i}")
+            assert all(torch.equal(got[n], t) for n, t in changed.items())
+            assert _stats(url)["version"] == "8"
+            assert len(_stats(url)["groups"]) == 1  # the old group was replaced, not leaked
+    finally:
+        sender.close()
+
+
+@pytest.mark.slow
 def test_engine_killed_mid_sync_is_dropped_and_the_sync_completes(receivers, checkpoint, tmp_path):
     procs, urls = receivers
     config = WeightSyncConfig(bucket_bytes=32 << 10, timeout_s=8)
