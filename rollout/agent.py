@@ -109,6 +109,7 @@ class RolloutAgent:
         if self.stop_requested.is_set():
             self._hurry.set()
         self.stop_requested.set()
+        self.pool.draining = True
         self._changed.set()
 
     def install_signal_handlers(self) -> None:
@@ -159,13 +160,8 @@ class RolloutAgent:
             await asyncio.sleep(self.config.heartbeat_s)
             try:
                 hb = await self.client.heartbeat()
-            except BrokerError as exc:
-                if exc.code == "not_registered":  # the broker restarted: join again
-                    log.warning("the broker forgot this node; registering again")
-                    with contextlib.suppress(BrokerError):
-                        await self._register()
-                else:
-                    log.warning("heartbeat failed: %s", exc)
+            except BrokerError as exc:  # the client registers again by itself after a broker restart
+                log.warning("heartbeat failed: %s", exc)
                 continue
             self.policy_version = int(hb.get("policy_version", self.policy_version))
             if hb.get("finished"):

@@ -76,6 +76,7 @@ class EnginePool:
         self._changed = asyncio.Condition()
         self._watch: asyncio.Task | None = None
         self.closed = False
+        self.draining = False  # the node is stopping: an engine that fails now is not restarted
 
     @property
     def urls(self) -> list[str]:
@@ -170,6 +171,10 @@ class EnginePool:
                 return
             slot.healthy = False
             log.warning("engine %d at %s is down (%s)", slot.index, slot.url, why)
+            if self.draining:
+                slot.failed = True  # its requests go back to the broker instead of waiting for a restart
+                self._changed.notify_all()
+                return
             slot.recovering = asyncio.create_task(self._recover(slot))
 
     async def _ping(self, slot: EngineSlot) -> bool:
@@ -233,7 +238,7 @@ class EnginePool:
 
 
 def _stop(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL. Engines share the agent's process group, so signal the process itself."""
+    """SIGTERM, then SIGKILL after ``timeout_s``."""
     if proc.poll() is None:
         proc.terminate()
         try:

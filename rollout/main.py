@@ -98,10 +98,16 @@ def engine_launcher(config, node_dir: Path) -> Launch:
             )
         out = open(node_dir / f"engine-{index}.log", "ab")  # noqa: SIM115 - the child owns it
         try:
-            # same process group as the agent (a kill of the node's group reaches its engines) and a
-            # parent-death signal for when only the agent is killed
+            # Own session: a SIGTERM or Ctrl-C sent to the node's process group reaches the agent alone,
+            # which drains and then stops its engines itself. The parent-death signal kills the engines
+            # when the agent dies without that (SIGKILL, crash).
             return subprocess.Popen(
-                command(port), stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
+                command(port),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
         finally:
             out.close()

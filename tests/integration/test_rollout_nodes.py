@@ -120,7 +120,7 @@ def test_two_nodes_deliver_every_prompt_once_through_a_sigkill_and_a_late_join(t
             "node a to hold a lease of a whole batch",
             logs,
         )
-        kill_tree(node_a, signal.SIGKILL)  # the agent and its engine (same process group)
+        kill_tree(node_a, signal.SIGKILL)  # its engine dies too: parent-death signal
         node_a.wait(10)
         wait_until(lambda: not alive(engines_a[0]), 10, "node a's engine to die with it")
 
