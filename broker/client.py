@@ -126,7 +126,9 @@ class AsyncBrokerClient:
             # The send is inside the timeout too: with no connected peer (broker down, CURVE refused) a
             # DEALER send waits.
             async with asyncio.timeout(timeout):
-                await self._sock.send_multipart([proto.encode_envelope(type_, rid, body), *frames], copy=False)
+                await self._sock.send_multipart(
+                    [proto.encode_envelope(type_, rid, body), *frames], copy=False
+                )
                 rtype, rbody, rframes = await fut
         except TimeoutError:
             raise BrokerTimeout(_timeout_msg(type_, self.address, timeout)) from None

@@ -23,6 +23,7 @@ from tidal.broker.types import Group, Lease, PromptGroup, PromptRow, Sample
 ALIGN = 8
 _HEADER_LEN = struct.Struct("<I")
 ALLOWED_DTYPES = {"<i4", "<i8", "<f4", "<f8", "<f2", "|u1", "|i1", "<i2", "<u2", "|b1"}
+_DTYPES = {d: np.dtype(d) for d in ALLOWED_DTYPES}
 SAMPLE_ARRAYS = ("prompt_ids", "response_ids", "logprobs", "versions", "loss_mask")
 RESPONSE_ALIGNED = ("logprobs", "versions", "loss_mask")  # same length as response_ids
 
@@ -101,7 +102,8 @@ def _header(buf: memoryview) -> tuple[dict[str, Any], int]:
     return header, start + _pad(start)
 
 
-def _array(buf: memoryview, data_start: int, spec: Any, where: str) -> np.ndarray:
+def _spec(buf_len: int, data_start: int, spec: Any, where: str) -> tuple[np.dtype, tuple[int, ...], int, int]:
+    """Validate ``[dtype, shape, offset]`` against the frame; returns (dtype, shape, begin, count)."""
     if not (isinstance(spec, list) and len(spec) == 3):
         raise ProtocolError(BAD_GROUP, f"{where}: array spec must be [dtype, shape, offset]")
     dtype, shape, offset = spec
@@ -111,47 +113,56 @@ def _array(buf: memoryview, data_start: int, spec: Any, where: str) -> np.ndarra
         )
     if not (
         isinstance(shape, list)
-        and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
-        and isinstance(offset, int)
+        and all(type(d) is int and d >= 0 for d in shape)
+        and type(offset) is int
         and offset >= 0
     ):
         raise ProtocolError(BAD_GROUP, f"{where}: shape must be non-negative ints and offset >= 0")
-    dt = np.dtype(dtype)
+    dt = _DTYPES[dtype]
     count = math.prod(shape)
     begin = data_start + offset
-    if begin + count * dt.itemsize > len(buf):
+    if begin + count * dt.itemsize > buf_len:
         raise ProtocolError(BAD_GROUP, f"{where}: array of {count} x {dtype} runs past the frame")
-    return np.frombuffer(buf, dtype=dt, count=count, offset=begin).reshape(shape)
+    return dt, tuple(shape), begin, count
 
 
-def _check_sample(s: Any, where: str) -> None:
+def _sample_specs(buf_len: int, data_start: int, s: Any, where: str) -> dict[str, tuple]:
     if not isinstance(s, dict) or not isinstance(s.get("arrays"), dict):
         raise ProtocolError(BAD_GROUP, f"{where}: sample must be a map with 'arrays'")
     reward = s.get("reward")
     if not isinstance(reward, int | float) or isinstance(reward, bool) or not math.isfinite(reward):
         raise ProtocolError(BAD_GROUP, f"{where}: reward must be a finite number, got {reward!r}")
+    specs = {k: _spec(buf_len, data_start, v, f"{where} {k}") for k, v in s["arrays"].items()}
     for name in ("response_ids", "logprobs", "versions"):
-        if name not in s["arrays"]:
+        if name not in specs:
             raise ProtocolError(BAD_GROUP, f"{where}: array {name!r} is missing")
+    r = specs["response_ids"][1][:1]
+    for name in RESPONSE_ALIGNED:
+        if name in specs and specs[name][1][:1] != r:
+            raise ProtocolError(
+                BAD_GROUP, f"{where}: {name} has {specs[name][1][:1]} tokens, response_ids has {r}"
+            )
+    return specs
+
+
+def _view(buf: memoryview, spec: tuple) -> np.ndarray:
+    dt, shape, begin, count = spec
+    return np.frombuffer(buf, dtype=dt, count=count, offset=begin).reshape(shape)
+
+
+def _as_buffer(frame: Any) -> memoryview:
+    return memoryview(frame.buffer if hasattr(frame, "buffer") else frame).cast("B")
 
 
 def decode_group(frame: Any) -> Group:
     """Zero-copy decode: the arrays are read-only views into ``frame``."""
-    buf = memoryview(frame.buffer if hasattr(frame, "buffer") else frame).cast("B")
+    buf = _as_buffer(frame)
     header, data_start = _header(buf)
     gid = header["id"]
     samples = []
     for i, s in enumerate(header["samples"]):
-        where = f"group {gid!r} sample {i}"
-        _check_sample(s, where)
-        arrays = {k: _array(buf, data_start, v, f"{where} {k}") for k, v in s["arrays"].items()}
-        r = arrays["response_ids"].shape[:1]
-        for name in RESPONSE_ALIGNED:
-            if name in arrays and arrays[name].shape[:1] != r:
-                raise ProtocolError(
-                    BAD_GROUP,
-                    f"{where}: {name} has {arrays[name].shape[:1]} tokens, response_ids has {r}",
-                )
+        specs = _sample_specs(len(buf), data_start, s, f"group {gid!r} sample {i}")
+        arrays = {k: _view(buf, v) for k, v in specs.items()}
         samples.append(
             Sample(
                 prompt_ids=arrays.get("prompt_ids", np.zeros(0, np.int32)),
@@ -169,17 +180,26 @@ def decode_group(frame: Any) -> Group:
 
 
 def inspect_group(frame: Any) -> GroupInfo:
-    """Validate a frame fully and summarise it for the broker's bookkeeping."""
-    group = decode_group(frame)
-    if not group.samples:
-        raise ProtocolError(BAD_GROUP, f"group {group.group_id!r} has no samples")
-    versions = [int(s.versions.min()) for s in group.samples if s.versions.size]
+    """Validate a frame as fully as :func:`decode_group` does, and summarise it for the broker's
+    bookkeeping; only the version arrays are looked at."""
+    buf = _as_buffer(frame)
+    header, data_start = _header(buf)
+    gid = header["id"]
+    rewards, min_versions, tokens = [], [], 0
+    for i, s in enumerate(header["samples"]):
+        specs = _sample_specs(len(buf), data_start, s, f"group {gid!r} sample {i}")
+        rewards.append(float(s["reward"]))
+        if specs["versions"][3]:
+            min_versions.append(int(_view(buf, specs["versions"]).min()))
+        tokens += specs["response_ids"][3]
+    if not rewards:
+        raise ProtocolError(BAD_GROUP, f"group {gid!r} has no samples")
     return GroupInfo(
-        group_id=group.group_id,
-        num_samples=len(group.samples),
-        rewards=[s.reward for s in group.samples],
-        min_version=min(versions) if versions else 0,
-        num_tokens=sum(int(s.response_ids.size) for s in group.samples),
+        group_id=gid,
+        num_samples=len(rewards),
+        rewards=rewards,
+        min_version=min(min_versions) if min_versions else 0,
+        num_tokens=tokens,
     )
 
 

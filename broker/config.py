@@ -24,7 +24,10 @@ class JournalConfig(BaseModel):
     dir: str | None = Field(None, description="None: <run_dir>/journal")
     fsync: Literal["always", "interval", "never"] = "interval"
     fsync_interval_s: float = Field(0.05, gt=0)
-    compact_every_bytes: int = Field(256 << 20, gt=0)
+    compact_every_bytes: int = Field(256 << 20, gt=0, description="compact once this many bytes are dead")
+    direct_io: bool = Field(
+        True, description="append with O_DIRECT (falls back to the page cache where the file system refuses)"
+    )
 
 
 class CurveConfig(BaseModel):

@@ -5,6 +5,9 @@ the CRC covering the kind byte and the payload. On open, records are read until 
 torn or fails its checksum (a crash mid-write); the file is truncated there. Compaction writes the live
 state to ``journal.log.tmp``, fsyncs it and renames it over the log, so a crash leaves one whole file.
 
+Appends use O_DIRECT where the file system allows it (``broker.journal.direct_io``), so a record is on
+the device when ``append`` returns; otherwise they go through the page cache.
+
 fsync policy: ``always`` fsyncs after every record (a record survives power loss before it is
 acknowledged); ``interval`` fsyncs at most every ``fsync_interval_s`` from a background thread (a record
 survives a crash of the broker process as soon as ``append`` returns; power loss may take the last
@@ -14,11 +17,12 @@ interval); ``never`` leaves it to the OS.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import struct
 import threading
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from enum import IntEnum
 from pathlib import Path
 
@@ -59,57 +63,206 @@ def read_records(data: memoryview) -> tuple[list[tuple[Kind, memoryview]], int]:
     return out, pos
 
 
+class _BufferedWriter:
+    """Appends through the page cache."""
+
+    direct = False
+
+    def __init__(self, path: Path, size: int):
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.size = size
+
+    def write(self, parts: list[bytes | memoryview]) -> None:
+        _write_all(self.fd, parts)
+        self.size += sum(len(p) for p in parts)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class _DirectWriter:
+    """Appends with O_DIRECT: records are copied into a page-aligned staging buffer and written through
+    to the device in whole blocks; the last partial block stays staged and is rewritten with the next
+    record (the file ends in zero padding, which the reader treats as the end). Page-cache writes can be
+    several times slower than the device (they were here: 0.13 GB/s against 1.2 GB/s direct), and a
+    journal is written once and read back only after a crash."""
+
+    direct = True
+    BLOCK = 4096
+
+    def __init__(self, path: Path, size: int):
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+        self.base = size // self.BLOCK * self.BLOCK  # file offset of the staging buffer's first byte
+        self.buf = mmap.mmap(-1, 1 << 20)
+        self.fill = size - self.base
+        if self.fill:
+            with open(path, "rb") as f:
+                f.seek(self.base)
+                self.buf[: self.fill] = f.read(self.fill)
+        self.size = size
+
+    def write(self, parts: list[bytes | memoryview]) -> None:
+        need = self.fill + sum(len(p) for p in parts)
+        padded = -(-need // self.BLOCK) * self.BLOCK
+        if padded > len(self.buf):
+            bigger = mmap.mmap(-1, max(padded, 2 * len(self.buf)))
+            bigger[: self.fill] = self.buf[: self.fill]
+            self.buf.close()
+            self.buf = bigger
+        view = memoryview(self.buf)
+        pos = self.fill
+        for p in parts:
+            view[pos : pos + len(p)] = memoryview(p).cast("B")
+            pos += len(p)
+        view[need:padded] = bytes(padded - need)
+        done = 0
+        while done < padded:
+            done += os.pwrite(self.fd, view[done:padded], self.base + done)
+        whole = need // self.BLOCK * self.BLOCK
+        tail = need - whole
+        view[:tail] = view[whole:need]
+        view.release()
+        self.base += whole
+        self.fill = tail
+        self.size = self.base + self.fill
+
+    def close(self) -> None:
+        os.ftruncate(self.fd, self.size)  # drop the zero padding
+        os.close(self.fd)
+        self.buf.close()
+
+
+def _open_writer(path: Path, size: int, direct: bool) -> _BufferedWriter | _DirectWriter:
+    if direct:
+        try:
+            return _DirectWriter(path, size)
+        except OSError as exc:  # e.g. tmpfs refuses O_DIRECT
+            log.info("journal %s: O_DIRECT unavailable (%s); writing through the page cache", path, exc)
+    return _BufferedWriter(path, size)
+
+
 class Journal:
-    def __init__(self, directory: str | Path, *, fsync: str = "interval", fsync_interval_s: float = 0.05):
+    """The log. Inline mode (default): ``append`` writes before it returns. Background mode: ``append``
+    only stages the record and returns its sequence number; a writer thread writes everything staged in
+    one go (group commit) and reports the highest durable sequence number through ``on_durable`` (called
+    from that thread), so the event loop never waits for the device and acknowledges a reply once the
+    records before it are written."""
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        fsync: str = "interval",
+        fsync_interval_s: float = 0.05,
+        direct_io: bool = True,
+        background: bool = False,
+    ):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "journal.log"
         self.fsync = fsync
         self.fsync_interval_s = fsync_interval_s
-        self._fd = -1
+        self.direct_io = direct_io
+        self.background = background
+        self.on_durable: Callable[[int], None] | None = None
+        self.appended_seq = 0  # records appended (staged or written)
+        self.durable_seq = 0  # records written (and fsynced under fsync=always)
+        self._writer: _BufferedWriter | _DirectWriter | None = None
+        self._staged: list[bytes | memoryview] = []
         self._dirty = False
-        self._lock = threading.Lock()  # guards _fd against the fsync thread during compaction
+        self._lock = threading.Condition()  # guards _staged, the sequence numbers and _dirty
+        self._io = threading.Lock()  # held while the writer is in use or replaced
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.bytes_written = 0
+        self._threads: list[threading.Thread] = []
         self.truncated_bytes = 0
+
+    @property
+    def bytes_written(self) -> int:
+        return self._writer.size if self._writer else 0
 
     def open(self) -> list[tuple[Kind, memoryview]]:
         """Read the existing log (truncating a torn tail) and open it for appending."""
         records: list[tuple[Kind, memoryview]] = []
+        good = 0
         if self.path.exists():
             data = memoryview(self.path.read_bytes())
             records, good = read_records(data)
             if good < len(data):
-                self.truncated_bytes = len(data) - good
-                log.warning(
-                    "journal %s: dropping %d bytes of torn or corrupt tail after %d records",
-                    self.path,
-                    self.truncated_bytes,
-                    len(records),
-                )
+                if any(data[good:]):  # zero padding after the last record is normal (direct I/O)
+                    self.truncated_bytes = len(data) - good
+                    log.warning(
+                        "journal %s: dropping %d bytes of torn or corrupt tail after %d records",
+                        self.path,
+                        self.truncated_bytes,
+                        len(records),
+                    )
                 with open(self.path, "r+b") as f:
                     f.truncate(good)
                     os.fsync(f.fileno())
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self.bytes_written = os.fstat(self._fd).st_size
+        self._writer = _open_writer(self.path, good, self.direct_io)
         if self.fsync == "interval":
-            self._thread = threading.Thread(target=self._sync_loop, name="journal-fsync", daemon=True)
-            self._thread.start()
+            self._start(self._sync_loop, "journal-fsync")
+        if self.background:
+            self._start(self._write_loop, "journal-writer")
         return records
 
-    def append(self, kind: Kind, payload: bytes | memoryview) -> None:
+    def _start(self, target: Callable[[], None], name: str) -> None:
+        t = threading.Thread(target=target, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def append(self, kind: Kind, payload: bytes | memoryview) -> int:
+        """Append a record; returns its sequence number (durable once ``durable_seq`` reaches it)."""
         header = _HEADER.pack(kind, len(payload), _crc(kind, payload))
+        if self.background:
+            with self._lock:
+                self._staged += (header, payload)
+                self.appended_seq += 1
+                self._lock.notify_all()
+                return self.appended_seq
+        with self._io:
+            self._write([header, payload])
+        self.appended_seq += 1
+        self.durable_seq = self.appended_seq
+        return self.appended_seq
+
+    def _write(self, parts: list[bytes | memoryview]) -> None:
+        self._writer.write(parts)
+        if self.fsync == "always":
+            os.fdatasync(self._writer.fd)
+        else:
+            self._dirty = True
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._staged and not self._stop.is_set():
+                    self._lock.wait()
+                if not self._staged:
+                    return
+                parts, self._staged, seq = self._staged, [], self.appended_seq
+            try:
+                with self._io:
+                    self._write(parts)
+            except Exception:
+                # Nothing may be acknowledged unjournaled: stop the broker; a restart replays the log.
+                log.critical("journal %s: write failed; stopping the broker", self.path, exc_info=True)
+                os._exit(70)
+            with self._lock:
+                self.durable_seq = seq
+                self._lock.notify_all()
+            if self.on_durable is not None:
+                self.on_durable(seq)
+
+    def flush(self) -> None:
+        """Wait until every appended record is written."""
         with self._lock:
-            _write_all(self._fd, [header, payload])
-            self.bytes_written += len(header) + len(payload)
-            if self.fsync == "always":
-                os.fsync(self._fd)
-            else:
-                self._dirty = True
+            while self.durable_seq < self.appended_seq:
+                self._lock.wait()
 
     def rewrite(self, records: Iterable[tuple[Kind, bytes | memoryview]]) -> None:
         """Compaction: replace the log by ``records`` atomically."""
+        self.flush()
         tmp = self.path.with_suffix(".log.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         size = 0
@@ -120,12 +273,11 @@ class Journal:
             os.fsync(fd)
         finally:
             os.close(fd)
-        with self._lock:
+        with self._io:
             os.replace(tmp, self.path)
             _fsync_dir(self.dir)
-            os.close(self._fd)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
-            self.bytes_written = size
+            self._writer.close()
+            self._writer = _open_writer(self.path, size, self.direct_io)
             self._dirty = False
 
     def _sync_loop(self) -> None:
@@ -133,26 +285,31 @@ class Journal:
             self.sync()
 
     def sync(self) -> None:
-        # fsync a duplicate descriptor outside the lock, so appends never wait for the disk.
-        with self._lock:
-            if not self._dirty or self._fd < 0:
+        # fsync a duplicate descriptor outside the lock, so writes never wait for the disk flush.
+        with self._io:
+            if not self._dirty or self._writer is None:
                 return
             self._dirty = False
-            fd = os.dup(self._fd)
+            fd = os.dup(self._writer.fd)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        if self._writer is None:
+            return
+        if self.background:
+            self.flush()
         with self._lock:
-            if self._fd >= 0:
-                os.fsync(self._fd)
-                os.close(self._fd)
-                self._fd = -1
+            self._stop.set()
+            self._lock.notify_all()
+        for t in self._threads:
+            t.join()
+        with self._io:
+            os.fsync(self._writer.fd)
+            self._writer.close()
+            self._writer = None
 
 
 def _write_all(fd: int, parts: list[bytes | memoryview]) -> None:

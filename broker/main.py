@@ -37,6 +37,8 @@ def build_state(config) -> BrokerState:
         cfg.journal.dir or Path(config.run_dir) / "journal",
         fsync=cfg.journal.fsync,
         fsync_interval_s=cfg.journal.fsync_interval_s,
+        direct_io=cfg.journal.direct_io,
+        background=True,
     )
     state = BrokerState(cfg, source, journal)
     records = journal.open()

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +54,7 @@ class BrokerServer:
         self.started = time.time()
         self.snapshot: dict[str, Any] = {}  # stats refreshed every tick, read by the Prometheus thread
         self._waiters: list[_Waiter] = []
+        self._held: deque[tuple[int, list[Any]]] = deque()  # replies waiting for the journal
         self._ctx = zmq.asyncio.Context()
         self._auth = None
         self.sock = self._ctx.socket(zmq.ROUTER)
@@ -70,6 +71,9 @@ class BrokerServer:
 
     # ------------------------------------------------------------------ loop
     async def serve(self, stop: asyncio.Event) -> None:
+        self._loop = asyncio.get_running_loop()
+        if self.state.journal is not None:
+            self.state.journal.on_durable = self._on_durable
         tasks = [asyncio.create_task(self._ticker(stop))]
         if self._monitor is not None:
             tasks.append(asyncio.create_task(self._watch_auth()))
@@ -86,6 +90,9 @@ class BrokerServer:
             for t in (*tasks, stopper, *([recv] if recv else [])):
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if self.state.journal is not None:
+                self.state.journal.flush()
+                self._release_held(self.state.journal.durable_seq)
             self.close()
 
     def close(self) -> None:
@@ -139,7 +146,21 @@ class BrokerServer:
         await self._send(peer, rid, "error", proto.error_body(exc.code, exc.message))
 
     async def _send(self, peer: bytes, rid: int, type_: str, body: dict[str, Any], frames=()) -> None:
-        await self.sock.send_multipart([peer, proto.encode_envelope(type_, rid, body), *frames], copy=False)
+        message = [peer, proto.encode_envelope(type_, rid, body), *frames]
+        journal = self.state.journal
+        if journal is not None and journal.durable_seq < journal.appended_seq:
+            # Acknowledge only once everything journaled before this reply is written.
+            self._held.append((journal.appended_seq, message))
+        else:
+            await self.sock.send_multipart(message, copy=False)
+
+    def _on_durable(self, seq: int) -> None:
+        """From the journal's writer thread: hand the release of held replies to the event loop."""
+        self._loop.call_soon_threadsafe(self._release_held, seq)
+
+    def _release_held(self, seq: int) -> None:
+        while self._held and self._held[0][0] <= seq:
+            self.sock.send_multipart(self._held.popleft()[1], copy=False)
 
     async def _ok(self, peer: bytes, rid: int, body: dict[str, Any] | None = None) -> None:
         await self._send(peer, rid, "ok", body or {})

@@ -1,0 +1,363 @@
+"""Samples/s and MB/s from 2 producers to 1 consumer: tidal's broker against three baselines, same bytes.
+
+Each sample is ``tokens`` x (int32 id + float32 logprob + int32 version) plus ~200 B of metadata. Methods:
+
+- ``zmq``: raw pyzmq PUSH/PULL, one msgpack frame per sample (the ceiling: no broker, no journal);
+- ``broker``: a ``tidal broker`` process (journal on, default fsync policy ``interval``); producers are
+  rollout-node clients (lease, then submit whole groups of ``--group-size`` samples), the consumer is the
+  trainer client (``get_batch`` + ``report_consumed``); the staleness bound is set wide open so that
+  transport is what is measured;
+- ``ray_deque``: verl's pattern, a Ray actor holding a deque, one ``put`` and one ``get`` call per sample;
+- ``ray_queue``: ``ray.util.queue.Queue`` with batched puts and gets (``--ray-batch`` samples a call).
+
+Every method runs ``--repeats`` times per size, interleaved; the table shows medians and the broker's ratio
+to each baseline. Ray is optional (``make bench-deps``); without it those columns are skipped.
+
+    .venv/bin/python benchmarks/broker_throughput.py --out runs/bench/broker_throughput.json
+    .venv/bin/python benchmarks/broker_throughput.py --sizes 1024 --seconds 1 --repeats 1   # quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import zmq
+
+from tidal.broker.client import AsyncBrokerClient, BrokerClient
+from tidal.broker.testing import start_broker
+from tidal.broker.types import Group, Sample
+from tidal.procs import free_port, stop
+
+PRODUCERS = 2
+META = {
+    "data_source": "openai/gsm8k",
+    "finish_reason": "stop",
+    "uid": "a" * 96,
+    "prompt_index": 123456,
+    "reward": 1.0,
+    "extra": {"answer": "72", "split": "train", "ability": "math"},
+}
+
+
+def sample_arrays(tokens: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(tokens)
+    return {
+        "response_ids": rng.integers(0, 150_000, tokens, dtype=np.int32),
+        "logprobs": rng.standard_normal(tokens).astype(np.float32),
+        "versions": np.full(tokens, 3, np.int32),
+    }
+
+
+def sample_bytes(tokens: int) -> int:
+    return tokens * 12 + len(msgpack.packb(META))
+
+
+def raw_frame(arrays: dict[str, np.ndarray]) -> bytes:
+    return msgpack.packb(
+        {**{k: v.tobytes() for k, v in arrays.items()}, "dtype": "<i4,<f4,<i4", "meta": META}
+    )
+
+
+# ------------------------------------------------------------------------------------------- raw pyzmq
+def _zmq_producer(address: str, tokens: int, n: int, go) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.connect(address)
+    arrays = sample_arrays(tokens)
+    go.wait()
+    for _ in range(n):
+        sock.send(raw_frame(arrays), copy=False)
+    sock.close(linger=-1)
+    ctx.term()
+
+
+def run_zmq(tokens: int, n: int) -> float:
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    go = mp.Event()
+    procs = [
+        mp.Process(target=_zmq_producer, args=(f"tcp://127.0.0.1:{port}", tokens, n // PRODUCERS, go))
+        for _ in range(PRODUCERS)
+    ]
+    for p in procs:
+        p.start()
+    time.sleep(0.5)
+    go.set()
+    t0 = time.perf_counter()
+    for _ in range(n // PRODUCERS * PRODUCERS):
+        frame = pull.recv(copy=False)
+        msgpack.unpackb(frame.buffer)
+    elapsed = time.perf_counter() - t0
+    for p in procs:
+        p.join()
+    pull.close(0)
+    ctx.term()
+    return elapsed
+
+
+# ---------------------------------------------------------------------------------------------- broker
+def _group(group_id: str, arrays: dict[str, np.ndarray], group_size: int) -> Group:
+    samples = [
+        Sample(
+            prompt_ids=np.zeros(0, np.int32),
+            reward=1.0,
+            finish_reason="stop",
+            meta=META,
+            **arrays,
+        )
+        for _ in range(group_size)
+    ]
+    return Group(group_id=group_id, samples=samples)
+
+
+def _broker_producer(address: str, tokens: int, groups: int, group_size: int, per_lease: int, go) -> None:
+    arrays = sample_arrays(tokens)
+
+    async def loop(client: AsyncBrokerClient, share: int) -> None:
+        while share > 0:
+            lease = await client.lease(min(per_lease, share))
+            if lease is None:
+                await asyncio.sleep(0.001)
+                continue
+            await client.submit(
+                lease.lease_id, [_group(pg.group_id, arrays, group_size) for pg in lease.groups]
+            )
+            share -= len(lease.groups)
+
+    async def main() -> None:
+        client = AsyncBrokerClient(address, timeout_s=120)
+        await client.register("rollout", "bench")
+        go.wait()
+        # two submissions in flight per producer, as a node agent with several engines would have
+        await asyncio.gather(loop(client, groups // 2), loop(client, groups - groups // 2))
+        await client.close()
+
+    asyncio.run(main())
+
+
+def run_broker(tokens: int, n: int, group_size: int, per_lease: int, workdir: Path) -> tuple[float, int]:
+    groups_total = n // group_size
+    per_producer = groups_total // PRODUCERS
+    batch_groups = max(1, min(16, per_producer))
+    run_dir = Path(tempfile.mkdtemp(prefix=f"broker{tokens}-", dir=workdir))
+    proc, address = start_broker(
+        run_dir,
+        groups_total + 8,
+        port=free_port(),
+        group_size=group_size,
+        batch_groups=batch_groups,
+        max_staleness=1_000_000,
+        max_frame_bytes=1 << 30,
+    )
+    try:
+        go = mp.Event()
+        procs = [
+            mp.Process(
+                target=_broker_producer, args=(address, tokens, per_producer, group_size, per_lease, go)
+            )
+            for _ in range(PRODUCERS)
+        ]
+        for p in procs:
+            p.start()
+        with BrokerClient(address, timeout_s=120) as trainer:
+            trainer.register("trainer", "bench")
+            time.sleep(0.5)
+            go.set()
+            t0 = time.perf_counter()
+            received, after, groups_left = 0, -1, per_producer * PRODUCERS
+            while groups_left > 0:
+                batch = trainer.get_batch(after, num_groups=min(batch_groups, groups_left))
+                groups_left -= len(batch.groups)
+                received += sum(len(g.samples) for g in batch.groups)
+                trainer.report_consumed(batch.batch_id)
+                after = batch.batch_id
+            elapsed = time.perf_counter() - t0
+        for p in procs:
+            p.join()
+        return elapsed, received
+    finally:
+        stop(proc)
+
+
+# ------------------------------------------------------------------------------------------------ ray
+def run_ray_deque(tokens: int, n: int) -> float:
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class DequeActor:
+        def __init__(self):
+            from collections import deque
+
+            self.q = deque()
+
+        def put(self, item):
+            self.q.append(item)
+
+        def get(self):
+            return self.q.popleft() if self.q else None
+
+    @ray.remote(num_cpus=0)
+    def producer(actor, count):
+        arrays = sample_arrays(tokens)
+        for _ in range(count):
+            ray.get(actor.put.remote({**arrays, "meta": META}))
+
+    actor = DequeActor.remote()
+    ray.get(actor.get.remote())
+    per = n // PRODUCERS
+    t0 = time.perf_counter()
+    tasks = [producer.remote(actor, per) for _ in range(PRODUCERS)]
+    got = 0
+    while got < per * PRODUCERS:
+        if ray.get(actor.get.remote()) is not None:
+            got += 1
+    elapsed = time.perf_counter() - t0
+    ray.get(tasks)
+    ray.kill(actor)
+    return elapsed
+
+
+def run_ray_queue(tokens: int, n: int, batch: int) -> float:
+    import ray
+    from ray.util.queue import Queue
+
+    @ray.remote(num_cpus=0)
+    def producer(queue, count):
+        arrays = sample_arrays(tokens)
+        sent = 0
+        while sent < count:
+            k = min(batch, count - sent)
+            queue.put_nowait_batch([{**arrays, "meta": META} for _ in range(k)])
+            sent += k
+
+    queue = Queue(actor_options={"num_cpus": 0})
+    per = n // PRODUCERS
+    t0 = time.perf_counter()
+    tasks = [producer.remote(queue, per) for _ in range(PRODUCERS)]
+    got = 0
+    while got < per * PRODUCERS:
+        size = queue.qsize()
+        if size == 0:
+            time.sleep(0.0005)
+            continue
+        got += len(queue.get_nowait_batch(min(size, batch)))
+    elapsed = time.perf_counter() - t0
+    ray.get(tasks)
+    queue.shutdown()
+    return elapsed
+
+
+# ---------------------------------------------------------------------------------------------- driver
+def count_for(method: str, tokens: int, seconds: float, guess: dict[str, float]) -> int:
+    """Samples for a run of about ``seconds``, from a rough rate (samples/s at 1K tokens) scaled by size."""
+    rate = guess[method] * min(1.0, (1024 / tokens) ** 0.8)
+    return max(64, int(rate * seconds) // 64 * 64)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 8192, 32768], help="tokens per sample")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=2.0, help="approximate length of one run")
+    ap.add_argument("--group-size", type=int, default=8, help="samples per group through the broker")
+    ap.add_argument("--per-lease", type=int, default=4, help="groups a producer leases and submits at once")
+    ap.add_argument("--ray-batch", type=int, default=64, help="samples per put/get call for ray_queue")
+    ap.add_argument("--no-ray", action="store_true", help="skip the Ray baselines")
+    ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+
+    methods = ["zmq", "broker"]
+    if not args.no_ray:
+        try:
+            import ray
+
+            ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+            methods += ["ray_deque", "ray_queue"]
+        except ImportError:
+            print("ray is not installed (make bench-deps): skipping the Ray baselines", file=sys.stderr)
+    guess = {"zmq": 40_000, "broker": 30_000, "ray_deque": 500, "ray_queue": 4_000}
+    workdir = Path(tempfile.mkdtemp(prefix="broker-bench-"))
+    results: dict[int, dict[str, list[dict[str, float]]]] = {}
+    for tokens in args.sizes:
+        results[tokens] = {m: [] for m in methods}
+        for rep in range(args.repeats):
+            for method in methods:
+                n = count_for(method, tokens, args.seconds, guess)
+                if method == "zmq":
+                    elapsed, got = run_zmq(tokens, n), n // PRODUCERS * PRODUCERS
+                elif method == "broker":
+                    elapsed, got = run_broker(tokens, n, args.group_size, args.per_lease, workdir)
+                elif method == "ray_deque":
+                    elapsed, got = run_ray_deque(tokens, n), n // PRODUCERS * PRODUCERS
+                else:
+                    elapsed, got = run_ray_queue(tokens, n, args.ray_batch), n // PRODUCERS * PRODUCERS
+                rate = got / elapsed
+                results[tokens][method].append(
+                    {
+                        "samples": got,
+                        "seconds": elapsed,
+                        "samples_per_s": rate,
+                        "mb_per_s": rate * sample_bytes(tokens) / 1e6,
+                    }
+                )
+                print(
+                    f"  {tokens:>6} tokens  {method:<10} rep {rep}: {rate:>10.0f} samples/s", file=sys.stderr
+                )
+    table = summarise(results, methods)
+    print_table(table, methods)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(
+            json.dumps(
+                {"args": {k: str(v) for k, v in vars(args).items()}, "runs": results, "summary": table},
+                indent=2,
+            )
+        )
+        print(f"wrote {args.out}")
+    return 0
+
+
+def summarise(results: dict[int, dict[str, list[dict[str, float]]]], methods: list[str]) -> dict[str, Any]:
+    table: dict[str, Any] = {}
+    for tokens, by_method in results.items():
+        row: dict[str, Any] = {}
+        for m in methods:
+            row[m] = {
+                "samples_per_s": statistics.median(r["samples_per_s"] for r in by_method[m]),
+                "mb_per_s": statistics.median(r["mb_per_s"] for r in by_method[m]),
+            }
+        for m in methods:
+            if m != "broker":
+                row[f"broker_vs_{m}"] = row["broker"]["samples_per_s"] / row[m]["samples_per_s"]
+        table[str(tokens)] = row
+    return table
+
+
+def print_table(table: dict[str, Any], methods: list[str]) -> None:
+    head = f"{'tokens':>7} | " + " | ".join(f"{m + ' s/s':>14} {'MB/s':>7}" for m in methods)
+    ratios = [m for m in methods if m != "broker"]
+    head += " | " + " | ".join(f"{'broker/' + m:>16}" for m in ratios)
+    print(head)
+    print("-" * len(head))
+    for tokens, row in table.items():
+        line = f"{tokens:>7} | " + " | ".join(
+            f"{row[m]['samples_per_s']:>14.0f} {row[m]['mb_per_s']:>7.0f}" for m in methods
+        )
+        line += " | " + " | ".join(f"{row[f'broker_vs_{m}']:>15.2f}x" for m in ratios)
+        print(line)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
