@@ -10,6 +10,7 @@ import argparse
 import json
 import platform
 import xml.etree.ElementTree as ET
+from importlib import metadata
 from pathlib import Path
 
 
@@ -56,12 +57,11 @@ def environment() -> dict:
             env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     except Exception as exc:  # the summary must still be written
         env["torch_error"] = repr(exc)
-    for name in ("transformers", "megatron.core", "triton"):
+    for dist in ("transformers", "megatron-core", "triton"):
         try:
-            module = __import__(name, fromlist=["__version__"])
-            env[name] = getattr(module, "__version__", "?")
-        except Exception as exc:
-            env[name] = f"not importable: {exc!r}"[:200]
+            env[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            env[dist] = "not installed"
     return env
 
 

@@ -59,6 +59,9 @@ rm -rf "$PKG" && mkdir -p "$PKG/tidal"
 for entry in "$ROOT"/tidal/*; do ln -s "$entry" "$PKG/tidal/$(basename "$entry")"; done
 for part in broker rollout trainer weights_sync; do ln -s "$ROOT/$part" "$PKG/tidal/$part"; done
 export PYTHONPATH="$PKG:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+# the working directory holds the glue folder tidal/ alone; it must not shadow the tree (nor in children,
+# e.g. `python -m tidal.cli serve`), so Python does not put it on sys.path
+export PYTHONSAFEPATH=1
 "$PY" -c 'import tidal.broker.types, tidal.rollout.embedded.scheduler, tidal.trainer.step, tidal.weights_sync.bucket, megatron.core, zmq, fastapi, uvicorn, pydantic; import tidal.broker as b; print("imports ok: tidal.broker from", b.__path__[0], "| megatron-core", megatron.core.__version__, "| pydantic", pydantic.__version__)' \
     || { echo "tidal or a carried dependency does not import"; exit 3; }
 

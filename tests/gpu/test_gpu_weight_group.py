@@ -24,7 +24,8 @@ NCCL_REFUSALS = ("Duplicate GPU detected", "ncclInvalidUsage")
 
 
 def _run_pair(port: int, timeout_s: float = 180) -> tuple[list[int], list[str], list[str]]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # NCCL_DEBUG=WARN makes NCCL print why it refuses (e.g. "Duplicate GPU detected : rank 0 and rank 1 ...")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_DEBUG": "WARN"}
     procs = [
         subprocess.Popen(
             [sys.executable, str(CHILD), role, str(port), "nccl", "cuda"],
@@ -55,9 +56,8 @@ def test_nccl_bucket_broadcast_between_two_processes_on_one_gpu():
 
     codes, outs, errs = _run_pair(free_port())
     if any(codes):
-        refusal = next(
-            (line for err in errs for line in err.splitlines() if any(r in line for r in NCCL_REFUSALS)), None
-        )
+        lines = [line.strip() for err in errs for line in err.splitlines()]
+        refusal = next((line for r in NCCL_REFUSALS for line in lines if r in line), None)
         if refusal is not None:
             pytest.skip(
                 f"NCCL refuses two ranks on one GPU (colocated sync needs CUDA IPC instead): {refusal.strip()[:300]}"
