@@ -3,6 +3,8 @@
 For each batch size, both generate ``--new-tokens`` greedy tokens (EOS ignored) for the same random
 ``--prompt-len``-token prompts on the same randomly initialised model; the engine receives all requests at
 once (its scheduler batches them; no HTTP in the loop). Prints a table, writes JSON with ``--out``.
+With ``--mixed`` each request asks for its own length (static batching runs to the longest; only the
+requested tokens count, for both).
 
     .venv/bin/python benchmarks/engine_throughput.py --out runs/bench/engine_throughput.json
     .venv/bin/python benchmarks/engine_throughput.py --device cuda --dtype bfloat16 --hidden 1024 --layers 8
@@ -37,6 +39,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-sizes", default="1,16,64")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument(
+        "--mixed",
+        action="store_true",
+        help="each request asks for a random length in [new_tokens/8, new_tokens] (useful tokens counted)",
+    )
     p.add_argument("--repeats", type=int, default=1, help="timed runs per point (the median is reported)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -88,7 +95,7 @@ def run_transformers(
 
 
 def run_engine(
-    sched: Scheduler, prompts: list[list[int]], new_tokens: int, device: str
+    sched: Scheduler, prompts: list[list[int]], lengths: list[int], device: str
 ) -> tuple[float, list[list[int]]]:
     done: dict[int, Request] = {}
     finished = threading.Event()
@@ -98,10 +105,10 @@ def run_engine(
         if len(done) == len(prompts):
             finished.set()
 
-    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     sync(device)
     t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
+    for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
+        params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
         sched.submit(Request(input_ids=p, params=params, rid=str(i), on_done=on_done))
     if not finished.wait(3600):
         raise TimeoutError("engine did not finish the batch")
@@ -138,17 +145,22 @@ def main() -> None:
         # warm-up both paths once (allocations, kernels)
         warm = torch.randint(0, a.vocab, (2, a.prompt_len), generator=gen).to(a.device)
         run_transformers(ref, warm, 4, a.device)
-        run_engine(sched, warm.tolist(), 4, a.device)
+        run_engine(sched, warm.tolist(), [4, 4], a.device)
         for b in batch_sizes:
             prompts = torch.randint(0, a.vocab, (b, a.prompt_len), generator=gen).to(a.device)
+            if a.mixed:
+                lengths = torch.randint(a.new_tokens // 8, a.new_tokens + 1, (b,), generator=gen).tolist()
+            else:
+                lengths = [a.new_tokens] * b
             hf_times, eng_times, same = [], [], 0.0
             for _ in range(a.repeats):
-                t_hf, out_hf = run_transformers(ref, prompts, a.new_tokens, a.device)
-                t_eng, out_eng = run_engine(sched, prompts.tolist(), a.new_tokens, a.device)
+                # static batching: transformers runs the batch to its longest request
+                t_hf, out_hf = run_transformers(ref, prompts, max(lengths), a.device)
+                t_eng, out_eng = run_engine(sched, prompts.tolist(), lengths, a.device)
                 hf_times.append(t_hf)
                 eng_times.append(t_eng)
-                same = sum(x == y for x, y in zip(out_hf, out_eng, strict=True)) / b
-            tokens = b * a.new_tokens
+                same = sum(x[:n] == y for x, y, n in zip(out_hf, out_eng, lengths, strict=True)) / b
+            tokens = sum(lengths)
             hf_tps = tokens / statistics.median(hf_times)
             eng_tps = tokens / statistics.median(eng_times)
             rows.append(
@@ -176,6 +188,7 @@ def main() -> None:
         "model": cfg.model_dump(exclude={"path"}),
         "prompt_len": a.prompt_len,
         "new_tokens": a.new_tokens,
+        "mixed_lengths": a.mixed,
         "repeats": a.repeats,
         "torch": torch.__version__,
         "transformers": transformers.__version__,

@@ -101,6 +101,8 @@ class Scheduler:
         self._error: BaseException | None = None
         torch.manual_seed(seed)
         self.steps = 0
+        # OpenMP's thread count is per thread: the scheduler thread takes its creator's setting
+        self._num_threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._loop, name="tidal-engine-scheduler", daemon=True)
 
     # ---- called from other threads ----
@@ -142,6 +144,7 @@ class Scheduler:
     # ---- scheduler thread ----
 
     def _loop(self) -> None:
+        torch.set_num_threads(self._num_threads)
         try:
             while True:
                 with self._cond:

@@ -175,10 +175,7 @@ def create_app(engine: EmbeddedEngine, *, host: str = "", port: int = 0) -> Fast
         except RuntimeError as exc:
             return error(str(exc), status=503)
         latency = time.perf_counter() - started
-        outs = [
-            generate_response(engine, inp, req, latency, index=i)
-            for i, (inp, req) in enumerate(zip(inputs, reqs, strict=True))
-        ]
+        outs = [generate_response(engine, inp, req, latency) for inp, req in zip(inputs, reqs, strict=True)]
         failed = [r for r in reqs if (r.finish_reason or {}).get("status_code") == 500]
         if failed:
             return error(failed[0].finish_reason["message"], status=500)
@@ -360,9 +357,7 @@ def parse_generate(engine: EmbeddedEngine, body: Any) -> tuple[list[GenerateInpu
     return inputs, batched or len(inputs) > 1
 
 
-def generate_response(
-    engine: EmbeddedEngine, inp: GenerateInput, req, latency: float, index: int
-) -> dict[str, Any]:
+def generate_response(engine: EmbeddedEngine, inp: GenerateInput, req, latency: float) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "id": req.rid,
         "finish_reason": req.finish_reason,
@@ -377,9 +372,4 @@ def generate_response(
         meta["output_token_logprobs"] = [
             [lp, tok, None] for lp, tok in zip(req.output_logprobs, req.output_ids, strict=True)
         ]
-    out: dict[str, Any] = {
-        "text": engine.decode(req.output_ids),
-        "output_ids": list(req.output_ids),
-        "meta_info": meta,
-    }
-    return out
+    return {"text": engine.decode(req.output_ids), "output_ids": list(req.output_ids), "meta_info": meta}
