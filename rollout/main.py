@@ -47,10 +47,16 @@ def parse_args(config, args: list[str]) -> argparse.Namespace:
     return ns
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGKILL when the agent dies, even by SIGKILL, so no engine outlives it."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+def _die_with_parent(parent: int):
+    """For the child, before exec: get SIGKILL when the agent dies, even by SIGKILL, so no engine
+    outlives it (and exit at once if the agent already died between fork and this call)."""
+
+    def preexec() -> None:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
 
 
 def engine_launcher(config, node_dir: Path) -> Launch:
@@ -107,7 +113,7 @@ def engine_launcher(config, node_dir: Path) -> Launch:
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=_die_with_parent(os.getpid()),
             )
         finally:
             out.close()
