@@ -29,6 +29,10 @@ class EngineUnavailable(RuntimeError):
     """The engine did not answer (connection refused or reset, timeout, 5xx); retry elsewhere."""
 
 
+class EngineStartError(RuntimeError):
+    """An engine did not come up: it exited, or did not answer within the start timeout."""
+
+
 class EngineRejected(RuntimeError):
     """The engine answered 4xx: the request itself is wrong; retrying will not help."""
 
@@ -184,12 +188,12 @@ class EnginePool:
         deadline = time.monotonic() + timeout_s
         while not await self._ping(slot):
             if slot.process is not None and slot.process.poll() is not None:
-                raise RuntimeError(
+                raise EngineStartError(
                     f"engine {slot.index} exited with {slot.process.returncode} before serving {slot.url}; "
                     f"last log lines:\n{tail(slot.log_path) if slot.log_path else '<no log>'}"
                 )
             if time.monotonic() > deadline:
-                raise TimeoutError(
+                raise EngineStartError(
                     f"engine {slot.index} at {slot.url} did not answer within {timeout_s:.0f}s"
                 )
             await asyncio.sleep(0.2)
@@ -220,7 +224,7 @@ class EnginePool:
                     await self._wait_healthy(slot, self.start_timeout_s)
                     log.info("engine %d at %s is back", slot.index, slot.url)
                     return
-                except (TimeoutError, RuntimeError) as exc:
+                except EngineStartError as exc:
                     log.warning("engine %d not back yet: %s", slot.index, exc)
             async with self._changed:
                 slot.healthy = True

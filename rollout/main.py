@@ -206,4 +206,11 @@ def main(config, args: list[str]) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     import uvloop
 
-    return uvloop.run(run_node(config, ns.broker, ns.name, ns.engine))
+    from tidal.broker.client import BrokerError
+    from tidal.rollout.engine_pool import EngineStartError
+
+    try:
+        return uvloop.run(run_node(config, ns.broker, ns.name, ns.engine))
+    except (BrokerError, EngineStartError) as exc:
+        log.error("%s", exc)
+        return 1

@@ -3,7 +3,9 @@ import pytest
 from tidal.config import RunConfig
 from tidal.configio import build, load_config
 from tidal.errors import ConfigError
+from tidal.procs import free_port
 from tidal.rollout.main import build_pool, parse_args
+from tidal.rollout.main import main as rollout_main
 
 
 def _config(*overrides):
@@ -52,3 +54,11 @@ def test_an_sglang_engine_needs_a_checkpoint_to_launch(tmp_path):
 def test_curve_needs_both_key_files():
     with pytest.raises(ConfigError, match="CURVE needs both"):
         build(RunConfig, {"rollout": {"agent": {"curve_secret_key_file": "node.key_secret"}}})
+
+
+def test_an_engine_that_never_answers_stops_the_node_with_a_clear_error(tmp_path, caplog):
+    port = free_port()
+    config = _config(f"run_dir={tmp_path}", "rollout.agent.engine_start_timeout_s=1")
+    code = rollout_main(config, ["--broker", "tcp://127.0.0.1:9", "--engine", f"http://127.0.0.1:{port}"])
+    assert code == 1
+    assert f"engine 0 at http://127.0.0.1:{port} did not answer within 1s" in caplog.text
