@@ -60,6 +60,16 @@ def _lease(body: dict[str, Any]) -> Lease | None:
     return lease_from_wire(body["lease"]) if body.get("lease") else None
 
 
+# A long wait for a batch is asked for in slices, so that a request lost in a broker restart is asked again.
+GET_BATCH_SLICE_S = 10.0
+
+
+def _poll_s(deadline: float | None) -> float:
+    if deadline is None:
+        return GET_BATCH_SLICE_S
+    return max(0.0, min(GET_BATCH_SLICE_S, deadline - time.monotonic()))
+
+
 def _socket(ctx: zmq.Context, address: str, curve: CurveClientKeys | None) -> zmq.Socket:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -165,11 +175,21 @@ class AsyncBrokerClient:
     async def get_batch(
         self, after: int, num_groups: int | None = None, timeout_s: float | None = None
     ) -> Batch | None:
-        wait = None if timeout_s is None else timeout_s + self.timeout_s
-        body, frames = await self._call(
-            "get_batch", {"after": after, "num_groups": num_groups, "timeout_s": timeout_s}, timeout=wait
-        )
-        return _batch(body, frames)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            wait_s = _poll_s(deadline)
+            try:
+                body, frames = await self._call(
+                    "get_batch",
+                    {"after": after, "num_groups": num_groups, "timeout_s": wait_s},
+                    timeout=wait_s + self.timeout_s,
+                )
+            except BrokerTimeout:
+                if deadline is not None:
+                    raise
+                continue  # waiting forever: the broker may be restarting; ask again
+            if body.get("batch") or body.get("finished") or (deadline and time.monotonic() >= deadline):
+                return _batch(body, frames)
 
     async def report_consumed(self, batch_id: int) -> None:
         await self._call("report_consumed", {"batch_id": batch_id})
@@ -278,11 +298,21 @@ class BrokerClient:
         """Batch ``after + 1`` (after=-1 for the first); blocks until it is ready, None on timeout or when
         the data is exhausted (``stats()["finished"]`` tells which). A batch once cut is journaled: asking
         again for the same id returns the same groups."""
-        wait = None if timeout_s is None else timeout_s + self.timeout_s
-        body, frames = self._call(
-            "get_batch", {"after": after, "num_groups": num_groups, "timeout_s": timeout_s}, timeout=wait
-        )
-        return _batch(body, frames)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            wait_s = _poll_s(deadline)
+            try:
+                body, frames = self._call(
+                    "get_batch",
+                    {"after": after, "num_groups": num_groups, "timeout_s": wait_s},
+                    timeout=wait_s + self.timeout_s,
+                )
+            except BrokerTimeout:
+                if deadline is not None:
+                    raise
+                continue  # waiting forever: the broker may be restarting; ask again
+            if body.get("batch") or body.get("finished") or (deadline and time.monotonic() >= deadline):
+                return _batch(body, frames)
 
     def report_consumed(self, batch_id: int) -> None:
         """The trainer trained through ``batch_id`` durably (checkpointed); a restart resumes after it."""

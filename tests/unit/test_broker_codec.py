@@ -28,8 +28,21 @@ def test_group_round_trip_keeps_every_field_and_dtype():
             assert getattr(b, name).dtype == getattr(a, name).dtype
         assert (a.reward, a.finish_reason, a.meta) == (b.reward, b.finish_reason, b.meta)
     np.testing.assert_array_equal(out.samples[1].loss_mask, [1, 1, 0, 1, 0])
-    assert out.samples[0].loss_mask is None
+    np.testing.assert_array_equal(out.samples[0].loss_mask, np.ones(5))  # None means all ones
     assert out.min_version == 7
+    assert all(s.loss_mask is None for s in decode_group(encode_group(fake_group(_pg()))).samples)
+
+
+def test_samples_of_different_lengths_come_back_apart():
+    g = fake_group(_pg(n=3), response_len=4)
+    g.samples[1].response_ids = np.arange(9, dtype=np.int32)
+    g.samples[1].logprobs = np.linspace(-1, 0, 9, dtype=np.float32)
+    g.samples[1].versions = np.full(9, 2, np.int32)
+    g.samples[2].prompt_ids = np.zeros(0, np.int32)
+    out = decode_group(encode_group(g))
+    assert [len(s.response_ids) for s in out.samples] == [4, 9, 4]
+    assert [len(s.prompt_ids) for s in out.samples] == [3, 3, 0]
+    np.testing.assert_array_equal(out.samples[1].logprobs, g.samples[1].logprobs)
 
 
 def test_decoded_arrays_are_views_into_the_frame():
