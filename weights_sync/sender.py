@@ -96,8 +96,9 @@ class WeightSender:
         self._group_engines: list[str] = []
         self._generation = itertools.count()
         self._staging: list[torch.Tensor | None] = [None, None]
+        # announcements to engines stuck in a receive may hold a worker until they time out
         self._pool = ThreadPoolExecutor(
-            max_workers=max(4, 2 * len(engines)), thread_name_prefix="weights-http"
+            max_workers=max(16, 4 * len(engines)), thread_name_prefix="weights-http"
         )
         self.set_engines(engines)
 
