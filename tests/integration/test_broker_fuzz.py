@@ -176,6 +176,8 @@ def test_fuzzed_frames_get_replies(fuzz_socket, batch):
 
 
 def test_after_the_fuzz_the_broker_serves_a_real_run(broker, fuzz_socket):
+    if tally["sent"] == 0:
+        pytest.skip("checks the broker after test_fuzzed_frames_get_replies; run the whole module")
     assert tally["sent"] == EXAMPLES * FRAMES_PER_EXAMPLE
     with BrokerClient(broker, timeout_s=10) as client:
         stats = client.stats()

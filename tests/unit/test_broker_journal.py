@@ -87,3 +87,17 @@ def test_rewrite_replaces_the_log_and_appends_go_to_the_new_file(tmp_path):
         (Kind.CONSUMED, b"after"),
     ]
     assert j.path.stat().st_size == sum(9 + n for n in (4, 2, 5))
+
+
+@pytest.mark.parametrize("fsync", ["always", "interval"])
+def test_background_mode_commits_groups_of_records_and_reports_durability(tmp_path, fsync):
+    j = Journal(tmp_path, fsync=fsync, fsync_interval_s=0.01, background=True)
+    j.open()
+    reported: list[int] = []
+    j.on_durable = reported.append
+    seqs = [j.append(Kind.GROUP, os.urandom(n)) for n in (5, 70_000, 9000, 1)]
+    assert seqs == [1, 2, 3, 4]
+    j.flush()
+    assert j.durable_seq == 4 and reported and reported[-1] == 4 and reported == sorted(reported)
+    j.close()
+    assert len(Journal(tmp_path).open()) == 4
