@@ -4,13 +4,15 @@ For each model size a Qwen3-style model is sized to the target bytes; its full m
 (fused QKV, fused gate/up) are the trainer's state. A sync converts them to Hugging Face tensors
 (``convert``), packs flattened buckets (``pack``) and broadcasts them to ``--engines`` receiver
 processes while announcing each bucket over HTTP (``transfer``); the receivers report the time they
-spend copying into their weights (``load``). ``gather`` is the TP/EP all-gather: zero here, where the
-trainer is one rank (the TP2xPP2xEP2 path is exercised by tests/integration/test_weights_megatron.py).
+spend copying into their weights (``load``). ``gather`` is the TP all-gather: zero with ``--tp 1`` (one trainer
+rank holding full tensors); ``--tp 2`` builds a real megatron-core model on a TP2 mesh under torchrun
+and the sync all-gathers its shards.
 The ceiling (``raw``) broadcasts buffers of the same sizes over the same group with no HTTP, packing
 or conversion. Each method runs ``--repeats`` times, interleaved; the table shows medians.
 
     .venv/bin/python benchmarks/weight_sync.py --out runs/bench/weight_sync.json
     .venv/bin/python benchmarks/weight_sync.py --sizes-mb 10 --repeats 1        # quick look
+    .venv/bin/python benchmarks/weight_sync.py --tp 2 --sizes-mb 10 100 500     # with the TP all-gather
 
 Engines are ``tidal.weights_sync.receiver_server`` (the routes without a model), so ``load`` is a
 copy into a dict of tensors; ``--backend nccl --device cuda`` runs the same on GPUs.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -103,30 +106,52 @@ def start_receivers(n: int, logdir: Path):
     return procs, urls
 
 
-def run_size(sender: WeightSender, urls: list[str], target: int, args) -> dict:
+def local_source(model: ModelConfig, args):
+    """One trainer rank holding full megatron-core tensors: the sync converts them (no gather)."""
+    import time
+
+    mapping = mapping_for(model)
+    state = megatron_state(model, getattr(torch, args.dtype), args.device)
+
+    def make(times: GatherTimes):
+        for name, tensor in state.items():
+            t0 = time.perf_counter()
+            converted = mapping.to_hf(name, tensor)
+            times.convert_s += time.perf_counter() - t0
+            yield from converted
+
+    return make
+
+
+def megatron_source(model: ModelConfig, args):
+    """A real megatron-core model on a TP mesh (under torchrun): the sync all-gathers its shards."""
+    from tidal.trainer import models, parallel
+    from tidal.trainer.mesh import MeshConfig
+    from tidal.weights_sync.gather import Groups, iter_hf
+
+    mesh = MeshConfig(tp=args.tp)
+    parallel.init_parallel(mesh, model)
+    tconfig = models.transformer_config(model, mesh, bf16=args.dtype == "bfloat16")
+    chunks = models.build_model(model, tconfig, seed=0)
+    mapping = mapping_for(model)
+    return lambda times: iter_hf(chunks, mapping, Groups.from_megatron(), times)
+
+
+def run_size(sender: WeightSender, urls: list[str], target: int, args) -> dict | None:
+    """Medians for one model size; None on the ranks that only help gather."""
     dtype = getattr(torch, args.dtype)
     model = model_for_bytes(target, dtype.itemsize)
-    mapping = mapping_for(model)
-    state = megatron_state(model, dtype, args.device)
-    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    make = megatron_source(model, args) if args.tp > 1 else local_source(model, args)
     full, raw = [], []
     for _ in range(args.repeats):
         for url in urls:
             httpx.post(f"{url}/tidal/reset_stats", json={}, timeout=30).raise_for_status()
         times = GatherTimes()
-
-        def source(times=times):
-            import time
-
-            for name, tensor in state.items():
-                t0 = time.perf_counter()
-                converted = mapping.to_hf(name, tensor)
-                times.convert_s += time.perf_counter() - t0
-                yield from converted
-
-        report = sender.sync(source, version=1)
+        report = sender.sync(lambda times=times: make(times), version=1)
         if not report.ok or report.dropped:
             raise RuntimeError(f"sync failed: {report}")
+        if not sender.is_sender:
+            continue
         stats = [httpx.get(f"{u}/tidal/stats", timeout=30).json() for u in urls]
         full.append(
             dict(
@@ -140,8 +165,10 @@ def run_size(sender: WeightSender, urls: list[str], target: int, args) -> dict:
                 buckets=report.buckets,
             )
         )
-        sizes = _bucket_sizes(nbytes, args.bucket_mb << 20)
-        raw.append(raw_broadcast(sender, sizes))
+        raw.append(raw_broadcast(sender, _bucket_sizes(report.bytes, args.bucket_mb << 20)))
+    if not sender.is_sender:
+        return None
+    nbytes = full[0]["bytes"]
     med = {k: statistics.median(r[k] for r in full) for k in full[0]}
     raw_s = statistics.median(raw)
     return dict(
@@ -149,6 +176,7 @@ def run_size(sender: WeightSender, urls: list[str], target: int, args) -> dict:
         bytes=nbytes,
         layers=model.num_hidden_layers,
         hidden=model.hidden_size,
+        tp=args.tp,
         sync=med,
         sync_gbps=nbytes / med["wall_s"] / 1e9,
         raw_s=raw_s,
@@ -169,6 +197,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes-mb", type=int, nargs="+", default=[10, 100, 500, 2000])
     p.add_argument("--engines", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1, help="> 1: a megatron-core model on a TP mesh (torchrun)")
     p.add_argument("--bucket-mb", type=int, default=WeightSyncConfig().bucket_bytes >> 20)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -177,24 +206,48 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
 
+    if args.tp > 1 and "RANK" not in os.environ:  # run this script under torchrun, one rank per TP shard
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.tp}"]
+        cmd += ["--master-addr=127.0.0.1", f"--master-port={free_port()}", __file__, *sys.argv[1:]]
+        os.execv(sys.executable, cmd)
+    rank = 0
+    if args.tp > 1:
+        from tidal.trainer import parallel
+
+        rank, _ = parallel.init_distributed()
     logdir = Path(args.out.parent if args.out else "runs/bench") / "weight_sync_logs"
-    procs, urls = start_receivers(args.engines, logdir)
+    procs, urls = start_receivers(args.engines, logdir) if rank == 0 else ([], [])
+    if args.tp > 1:
+        shared = [urls]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        urls = shared[0]
     config = WeightSyncConfig(bucket_bytes=args.bucket_mb << 20, timeout_s=600)
-    sender = WeightSender(config, [EngineEndpoint(u) for u in urls], backend=args.backend, device=args.device)
+    sender = WeightSender(
+        config,
+        [EngineEndpoint(u) for u in urls],
+        is_sender=rank == 0,
+        backend=args.backend,
+        device=args.device,
+    )
     results = []
     try:
         for mb in args.sizes_mb:
-            results.append(run_size(sender, urls, mb << 20, args))
-            _print(results[-1:], header=len(results) == 1)
+            result = run_size(sender, urls, mb << 20, args)
+            if result is not None:
+                results.append(result)
+                _print(results[-1:], header=len(results) == 1)
     finally:
         sender.close()
         for proc in procs:
             stop(proc, timeout_s=5)
+    if rank != 0:
+        return 0
     meta = dict(
         engines=args.engines,
         bucket_mb=args.bucket_mb,
         repeats=args.repeats,
         dtype=args.dtype,
+        tp=args.tp,
         backend=args.backend,
         device=args.device,
         torch=torch.__version__,
