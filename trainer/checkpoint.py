@@ -67,11 +67,36 @@ def _sharded_state_dict(state, is_loading: bool) -> dict:
         sd[key] = unwrap(chunk).sharded_state_dict()
         model_sd.update(sd[key])
     sd["optimizer"] = state.optimizer.sharded_state_dict(
-        model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
+        model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"}
     )
     rank, world = dist.get_rank(), dist.get_world_size()
     sd["rng"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
     return sd
+
+
+def _inner_optimizers(state) -> list:
+    return [opt.optimizer for opt in getattr(state.optimizer, "chained_optimizers", [state.optimizer])]
+
+
+def _adam_steps(state) -> list[float | None]:
+    steps = []
+    for inner in _inner_optimizers(state):
+        values = {float(st["step"]) for st in inner.state.values() if "step" in st}
+        steps.append(values.pop() if len(values) == 1 else None)
+    return steps
+
+
+def _restore_adam_steps(state, steps: list[float | None]) -> None:
+    # megatron 0.19's distributed optimizer, without Apex or TE, reloads torch Adam's per-parameter step
+    # count from the placeholder states it loads into, so the bias correction would restart; set it back.
+    for inner, step in zip(_inner_optimizers(state), steps, strict=True):
+        if step is None:
+            continue
+        for st in inner.state.values():
+            if "step" in st:
+                st["step"] = (
+                    torch.tensor(step, dtype=st["step"].dtype) if torch.is_tensor(st["step"]) else step
+                )
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
@@ -90,6 +115,7 @@ def save(state, run_dir: str | Path, progress: Progress) -> Path:
     sd = _sharded_state_dict(state, is_loading=False)
     sd["scheduler"] = state.scheduler.state_dict()
     sd["progress"] = asdict(progress)
+    sd["adam_steps"] = _adam_steps(state)
     sd["format"] = _FORMAT
     dist_checkpointing.save(sd, str(path))
     dist.barrier()
@@ -118,16 +144,23 @@ def load(state, path: str | Path) -> Progress:
             f"{path} is not a dist_checkpointing checkpoint (no metadata.json); "
             "pass a directory written by tidal's trainer, e.g. <run_dir>/checkpoints/step_N"
         )
+    for opt in getattr(state.optimizer, "chained_optimizers", [state.optimizer]):
+        if not opt.optimizer.state:
+            # the sharded state dict is built from existing Adam states; the load overwrites these
+            opt._init_optimizer_states_with_dummy_values()
     sd = _sharded_state_dict(state, is_loading=True)
     sd["scheduler"] = None
     sd["progress"] = None
+    sd["adam_steps"] = None
     sd["format"] = None
     loaded = dist_checkpointing.load(sd, str(path))
     if loaded.get("format") != _FORMAT:
         raise ValueError(f"{path}: checkpoint format {loaded.get('format')} is not {_FORMAT}")
-    for key, chunk in zip(_model_keys(state.chunks), state.chunks, strict=True):
-        unwrap(chunk).load_state_dict(loaded[key])
-    state.optimizer.load_state_dict(loaded["optimizer"])
+    with torch.no_grad():  # the optimizer copies into views of its fp32 main parameters
+        for key, chunk in zip(_model_keys(state.chunks), state.chunks, strict=True):
+            unwrap(chunk).load_state_dict(loaded[key])
+        state.optimizer.load_state_dict(loaded["optimizer"])
+    _restore_adam_steps(state, loaded["adam_steps"])
     state.scheduler.load_state_dict(loaded["scheduler"])
     _set_rng_state(loaded["rng"])
     return Progress(**loaded["progress"])

@@ -4,15 +4,20 @@ Run under torchrun by tests/integration/test_trainer_parallel.py:
     torchrun --nproc-per-node N trainer_parallel_worker.py OUT.json STEPS CASE [CASE ...]
 A CASE is ``name:family:key=value,key=value`` with mesh fields (tp, pp, vpp, cp, ep, etp) and
 dispatcher=alltoall|allgather, loss=grpo|sft, save=RUN_DIR with save_after=N (checkpoint after N steps),
-resume=RUN_DIR (continue from its latest checkpoint). The cases of one launch share its process group (megatron's
+kill=1 (SIGKILL every rank right after that checkpoint), resume=RUN_DIR (continue from its latest checkpoint),
+deterministic=1 (torch deterministic algorithms and megatron's deterministic mode). Rank 0 rewrites OUT after
+every case. The cases of one launch share its process group (megatron's
 parallel state is rebuilt per case), which saves a process start per case on a small machine.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 
+import torch
 import torch.distributed as dist
 
 from tidal.model_config import ModelConfig
@@ -29,7 +34,7 @@ FAMILIES = {
 }
 
 
-def run_case(family: str, opts: dict[str, str], steps: int) -> dict:
+def run_case(family: str, opts: dict[str, str], steps: int, on_kill) -> dict:
     from megatron.core import parallel_state as ps
 
     mesh = MeshConfig(**{k: int(v) for k, v in opts.items() if k in MeshConfig.model_fields})
@@ -43,8 +48,12 @@ def run_case(family: str, opts: dict[str, str], steps: int) -> dict:
         intermediate_size=96,
         **FAMILIES[family],
     )
+    deterministic = opts.get("deterministic") == "1"
+    torch.use_deterministic_algorithms(deterministic)
     layout = parallel.init_parallel(mesh, model, seed=0)
-    tconfig = models.transformer_config(model, mesh, moe_dispatcher=opts.get("dispatcher", "alltoall"))
+    tconfig = models.transformer_config(
+        model, mesh, moe_dispatcher=opts.get("dispatcher", "alltoall"), deterministic=deterministic
+    )
     chunks = models.build_model(model, tconfig, seed=1)
     state = build_train_state(chunks, tconfig, OptimizerConfig(lr=1e-3, clip_grad=1.0), total_steps=steps)
     groups = synthetic_groups(vocab_size=model.vocab_size, groups=4, group_size=4, seed=0)
@@ -61,20 +70,35 @@ def run_case(family: str, opts: dict[str, str], steps: int) -> dict:
         norms.append(result.grad_norm)
         if "save" in opts and version + 1 == int(opts["save_after"]):
             checkpoint.save(state, opts["save"], checkpoint.Progress(step=version + 1))
+            if opts.get("kill") == "1":
+                on_kill(dict(losses=losses, grad_norms=norms, layout=layout.describe(), first_step=first))
     return dict(losses=losses, grad_norms=norms, layout=layout.describe(), first_step=first)
 
 
 def main() -> None:
     out, steps, *cases = sys.argv[1:]
     results = {}
+
+    def write() -> None:
+        if dist.get_rank() == 0:
+            with open(out + ".tmp", "w") as f:
+                json.dump(results, f)
+            os.replace(out + ".tmp", out)
+
     for case in cases:
         name, family, spec = (case.split(":") + [""])[:3]
         opts = dict(p.split("=", 1) for p in spec.split(",") if p)
-        results[name] = run_case(family, opts, int(steps))
+
+        def on_kill(partial: dict, name=name) -> None:
+            # kill=1: every rank dies by SIGKILL right after the checkpoint, as a crashed trainer would
+            results[name] = partial
+            write()
+            dist.barrier()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        results[name] = run_case(family, opts, int(steps), on_kill)
+        write()
         dist.barrier()
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(results, f)
     parallel.shutdown()
 
 
