@@ -122,7 +122,9 @@ def _group(group_id: str, arrays: dict[str, np.ndarray], group_size: int) -> Gro
     return Group(group_id=group_id, samples=samples)
 
 
-def _broker_producer(address: str, tokens: int, groups: int, group_size: int, per_lease: int, go) -> None:
+def _broker_producer(
+    address: str, tokens: int, groups: int, group_size: int, per_lease: int, in_flight: int, go
+) -> None:
     arrays = sample_arrays(tokens)
 
     async def loop(client: AsyncBrokerClient, share: int) -> None:
@@ -140,14 +142,23 @@ def _broker_producer(address: str, tokens: int, groups: int, group_size: int, pe
         client = AsyncBrokerClient(address, timeout_s=120)
         await client.register("rollout", "bench")
         go.wait()
-        # two submissions in flight per producer, as a node agent with several engines would have
-        await asyncio.gather(loop(client, groups // 2), loop(client, groups - groups // 2))
+        # several submissions in flight per producer, as a node agent with several engines has
+        shares = [groups // in_flight + (i < groups % in_flight) for i in range(in_flight)]
+        await asyncio.gather(*(loop(client, share) for share in shares))
         await client.close()
 
     asyncio.run(main())
 
 
-def run_broker(tokens: int, n: int, group_size: int, per_lease: int, workdir: Path) -> tuple[float, int]:
+def run_broker(
+    tokens: int,
+    n: int,
+    group_size: int,
+    per_lease: int,
+    in_flight: int,
+    workdir: Path,
+    extra: dict[str, Any] | None = None,
+) -> tuple[float, int]:
     groups_total = n // group_size
     per_producer = groups_total // PRODUCERS
     batch_groups = max(1, min(16, per_producer))
@@ -160,12 +171,14 @@ def run_broker(tokens: int, n: int, group_size: int, per_lease: int, workdir: Pa
         batch_groups=batch_groups,
         max_staleness=1_000_000,
         max_frame_bytes=1 << 30,
+        **(extra or {}),
     )
     try:
         go = mp.Event()
         procs = [
             mp.Process(
-                target=_broker_producer, args=(address, tokens, per_producer, group_size, per_lease, go)
+                target=_broker_producer,
+                args=(address, tokens, per_producer, group_size, per_lease, in_flight, go),
             )
             for _ in range(PRODUCERS)
         ]
@@ -273,8 +286,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=2.0, help="approximate length of one run")
     ap.add_argument("--group-size", type=int, default=8, help="samples per group through the broker")
     ap.add_argument("--per-lease", type=int, default=4, help="groups a producer leases and submits at once")
+    ap.add_argument("--in-flight", type=int, default=4, help="submissions in flight per broker producer")
     ap.add_argument("--ray-batch", type=int, default=64, help="samples per put/get call for ray_queue")
     ap.add_argument("--no-ray", action="store_true", help="skip the Ray baselines")
+    ap.add_argument(
+        "--broker-set",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help='extra broker.* setting for experiments, e.g. journal=\'{"dir": "/dev/shm/j"}\'',
+    )
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
 
@@ -287,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             methods += ["ray_deque", "ray_queue"]
         except ImportError:
             print("ray is not installed (make bench-deps): skipping the Ray baselines", file=sys.stderr)
+    extra = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.broker_set)}
     guess = {"zmq": 40_000, "broker": 30_000, "ray_deque": 500, "ray_queue": 4_000}
     workdir = Path(tempfile.mkdtemp(prefix="broker-bench-"))
     results: dict[int, dict[str, list[dict[str, float]]]] = {}
@@ -298,7 +320,9 @@ def main(argv: list[str] | None = None) -> int:
                 if method == "zmq":
                     elapsed, got = run_zmq(tokens, n), n // PRODUCERS * PRODUCERS
                 elif method == "broker":
-                    elapsed, got = run_broker(tokens, n, args.group_size, args.per_lease, workdir)
+                    elapsed, got = run_broker(
+                        tokens, n, args.group_size, args.per_lease, args.in_flight, workdir, extra
+                    )
                 elif method == "ray_deque":
                     elapsed, got = run_ray_deque(tokens, n), n // PRODUCERS * PRODUCERS
                 else:

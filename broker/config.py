@@ -52,6 +52,7 @@ class BrokerConfig(BaseModel):
     lease_timeout_s: float = Field(60.0, gt=0)
     node_timeout_s: float = Field(30.0, gt=0)
     max_frame_bytes: int = Field(256 << 20, gt=0)
+    io_threads: int = Field(1, ge=1, description="ZeroMQ I/O threads of the broker's socket")
     data: DataConfig = DataConfig()
     journal: JournalConfig = JournalConfig()
     curve: CurveConfig = CurveConfig()

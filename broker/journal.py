@@ -168,7 +168,7 @@ class Journal:
         self.appended_seq = 0  # records appended (staged or written)
         self.durable_seq = 0  # records written (and fsynced under fsync=always)
         self._writer: _BufferedWriter | _DirectWriter | None = None
-        self._staged: list[bytes | memoryview] = []
+        self._staged: list[tuple[Kind, bytes | memoryview]] = []
         self._dirty = False
         self._lock = threading.Condition()  # guards _staged, the sequence numbers and _dirty
         self._io = threading.Lock()  # held while the writer is in use or replaced
@@ -213,13 +213,13 @@ class Journal:
 
     def append(self, kind: Kind, payload: bytes | memoryview) -> int:
         """Append a record; returns its sequence number (durable once ``durable_seq`` reaches it)."""
-        header = _HEADER.pack(kind, len(payload), _crc(kind, payload))
-        if self.background:
+        if self.background:  # the writer thread computes the checksum (zlib releases the GIL)
             with self._lock:
-                self._staged += (header, payload)
+                self._staged.append((kind, payload))
                 self.appended_seq += 1
                 self._lock.notify_all()
                 return self.appended_seq
+        header = _HEADER.pack(kind, len(payload), _crc(kind, payload))
         with self._io:
             self._write([header, payload])
         self.appended_seq += 1
@@ -240,8 +240,11 @@ class Journal:
                     self._lock.wait()
                 if not self._staged:
                     return
-                parts, self._staged, seq = self._staged, [], self.appended_seq
+                staged, self._staged, seq = self._staged, [], self.appended_seq
             try:
+                parts: list[bytes | memoryview] = []
+                for kind, payload in staged:
+                    parts += (_HEADER.pack(kind, len(payload), _crc(kind, payload)), payload)
                 with self._io:
                     self._write(parts)
             except Exception:

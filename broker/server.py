@@ -55,7 +55,7 @@ class BrokerServer:
         self.snapshot: dict[str, Any] = {}  # stats refreshed every tick, read by the Prometheus thread
         self._waiters: list[_Waiter] = []
         self._held: deque[tuple[int, list[Any]]] = deque()  # replies waiting for the journal
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.asyncio.Context(io_threads=config.io_threads)
         self._auth = None
         self.sock = self._ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
