@@ -83,3 +83,9 @@ class TrainerConfig(BaseModel):
     deterministic: bool = False
     checkpoint_every: int = Field(20, ge=0, description="0: only at the end")
     seed: int = 0
+    moe_dispatcher: Literal["alltoall", "allgather"] = Field(
+        "alltoall", description="megatron-core's MoE token dispatcher"
+    )
+    batch_timeout_s: float = Field(
+        600.0, gt=0, description="how long to wait for the broker's next batch before giving up"
+    )

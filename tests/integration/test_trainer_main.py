@@ -1,0 +1,90 @@
+"""``tidal train`` under torchrun against a real broker process, fed by a scripted rollout node.
+
+The scripted node (a thread in this test, registered with the broker like a rollout node) leases prompt
+groups and submits scored groups with synthetic tokens: no engine is needed because the trainer only consumes
+groups; with no engine registered the trainer skips weight sync. The trainer runs 2 processes (EP2 on the
+tiny MoE model), checkpoints, exits, and a second launch resumes from the checkpoint with more steps: it
+must continue the policy version and ask for the next batch, never repeating one.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from tidal.broker.client import BrokerClient
+from tidal.broker.testing import fake_group, start_broker
+from tidal.procs import free_port, stop
+
+
+def _feed(address: str, stop_event: threading.Event) -> None:
+    with BrokerClient(address, timeout_s=10) as client:
+        client.register("rollout", "scripted-node")
+        while not stop_event.is_set():
+            lease = client.lease(4)
+            if lease is None:
+                stop_event.wait(0.05)
+                continue
+            version = client.policy_version()
+            client.submit(
+                lease.lease_id, [fake_group(g, version=version, response_len=5) for g in lease.groups]
+            )
+
+
+def _train(tmp: Path, address: str, steps: int) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        f"--master-port={free_port()}",
+        "-m",
+        "tidal.cli",
+        "train",
+        f"run_dir={tmp}",
+        "trainer.nproc=2",
+        "trainer.mesh.ep=2",
+        f"trainer.steps={steps}",
+        "trainer.checkpoint_every=2",
+        "trainer.minibatches_per_batch=2",
+        "trainer.micro_batch_tokens=64",
+        f"broker.bind={address}",
+        "--out",
+        str(tmp / "train"),
+    ]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=400, start_new_session=True)
+
+
+@pytest.mark.slow
+def test_train_pulls_batches_checkpoints_and_resumes(tmp_path):
+    broker, address = start_broker(
+        tmp_path / "broker", rows=64, group_size=4, batch_groups=2, max_staleness=4
+    )
+    stop_event = threading.Event()
+    feeder = threading.Thread(target=_feed, args=(address, stop_event), daemon=True)
+    feeder.start()
+    try:
+        first = _train(tmp_path, address, steps=4)
+        assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-5000:]
+        second = _train(tmp_path, address, steps=6)
+        assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-5000:]
+        with BrokerClient(address, timeout_s=10) as client:
+            version = client.policy_version()
+    finally:
+        stop_event.set()
+        feeder.join(10)
+        stop(broker)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # two minibatches per batch: two optimizer steps (two policy versions) per broker batch
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [r["batch_id"] for r in records] == [0, 0, 1, 1, 2, 2]
+    assert version == 6
+    assert all(r["loss"] == r["loss"] and r["grad_norm"] > 0 for r in records)  # finite, training
+    latest = json.loads((tmp_path / "train" / "checkpoints" / "latest").read_text())
+    assert latest["step"] == 6 and latest["last_batch_id"] == 2
+    assert (tmp_path / "final_hf" / "config.json").exists()

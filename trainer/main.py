@@ -1,0 +1,216 @@
+"""``tidal train``: the GRPO trainer, launched with torchrun; pulls batches from the broker.
+
+    torchrun --nproc-per-node N -m tidal.cli train [CONFIG.yaml] [key=value ...]
+        [--broker ADDR] [--init HF_DIR] [--out DIR] [--export HF_DIR] [--resume auto|never]
+
+Per batch: group-normalised advantages, split into ``trainer.minibatches_per_batch`` minibatches, one
+optimizer step each (each step bumps the policy version, so staleness is never under-reported), weight sync
+to the engines, the new version published to the broker, metrics to ``<run_dir>/metrics.jsonl``. Every
+``trainer.checkpoint_every`` steps (at a batch boundary) a checkpoint to ``--out`` (default
+``<run_dir>/train``), after which the broker learns the batch was consumed; a restarted trainer resumes from
+the latest checkpoint and asks for the batch after the last one it trained on. Rank 0 fetches the next
+batch in a background thread while the current one trains.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from tidal.config import RunConfig
+from tidal.errors import ConfigError
+
+
+@dataclass
+class TrainOptions:
+    broker: str | None = None
+    init: str | None = None
+    out: str | None = None
+    export: str | None = None
+    resume: str = "auto"
+
+
+def parse_options(args: list[str]) -> TrainOptions:
+    opts = TrainOptions()
+    it = iter(args)
+    for arg in it:
+        key, eq, value = arg.partition("=")
+        name = key.lstrip("-").replace("-", "_")
+        if not key.startswith("--") or name not in TrainOptions.__dataclass_fields__:
+            raise ConfigError(
+                f"tidal train: unknown argument {arg!r} (flags: --broker ADDR, --init HF_DIR, --out DIR, "
+                "--export HF_DIR, --resume auto|never)"
+            )
+        if not eq:
+            value = next(it, "")
+        if not value:
+            raise ConfigError(f"tidal train: {key} needs a value")
+        setattr(opts, name, value)
+    if opts.resume not in ("auto", "never"):
+        raise ConfigError(f"tidal train: --resume={opts.resume!r}; use auto or never")
+    return opts
+
+
+class _BatchFeed:
+    """Rank 0's broker connection: batches fetched one ahead in a thread; the rest on the main thread."""
+
+    def __init__(self, address: str, timeout_s: float):
+        from tidal.broker.client import BrokerClient
+
+        self.address = address
+        self.timeout_s = timeout_s
+        self.fetcher = BrokerClient(address)
+        self.control = BrokerClient(address)
+        self.control.register("trainer", f"trainer-{dist.get_world_size()}ranks")
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        self.pending: tuple[int, concurrent.futures.Future] | None = None
+
+    def prefetch(self, after: int) -> None:
+        if self.pending is None or self.pending[0] != after:
+            self.pending = (after, self.pool.submit(self.fetcher.get_batch, after, None, self.timeout_s))
+
+    def get(self, after: int):
+        self.prefetch(after)
+        _, future = self.pending
+        self.pending = None
+        return future.result()
+
+    def engines(self) -> list[str]:
+        nodes = self.control.stats().get("nodes", {})
+        return sorted(
+            url
+            for node in nodes.values()
+            if node.get("role") == "rollout" and node.get("alive")
+            for url in node.get("meta", {}).get("engines", [])
+        )
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.fetcher.close()
+        self.control.close()
+
+
+def _broadcast(obj):
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def main(config: RunConfig, args: list[str]) -> int:
+    from tidal.trainer.advantages import batch_advantages, reward_stats
+    from tidal.trainer.checkpoint import Progress
+    from tidal.trainer.metrics import MetricsWriter
+    from tidal.trainer.packing import items_from_groups, split_minibatches
+    from tidal.trainer.runner import TrainerRank
+    from tidal.trainer.synthetic import make_loss
+
+    opts = parse_options(args)
+    tc = config.trainer
+    run_dir = Path(config.run_dir)
+    out = Path(opts.out) if opts.out else run_dir / "train"
+    export = Path(opts.export) if opts.export else run_dir / "final_hf"
+    trainer = TrainerRank(config, total_steps=tc.steps)
+    progress = trainer.resume(out) if opts.resume == "auto" else None
+    if progress is None:
+        progress = Progress()
+        if opts.init:
+            trainer.load_hf(opts.init)
+    feed = _BatchFeed(opts.broker or config.broker.bind, tc.batch_timeout_s) if trainer.rank == 0 else None
+    writer = MetricsWriter(run_dir) if trainer.rank == 0 else None
+    push = _WeightPush(config, trainer, feed)
+    try:
+        if feed is not None:
+            feed.control.publish_version(progress.step)
+        last_saved = progress.step
+        while progress.step < tc.steps:
+            batch = _broadcast(feed.get(progress.last_batch_id) if feed else None)
+            if batch is None:
+                break  # the data is exhausted (or the broker gave nothing within batch_timeout_s)
+            if feed is not None:
+                feed.prefetch(batch.batch_id)
+            groups = batch.groups
+            advantages = batch_advantages(groups, norm_by_std=tc.loss.norm_adv_by_std)
+            adv_by_group = dict(zip((g.group_id for g in groups), advantages, strict=True))
+            for minibatch in split_minibatches(groups, min(tc.minibatches_per_batch, len(groups))):
+                items = items_from_groups(minibatch, [adv_by_group[g.group_id] for g in minibatch])
+                plan = trainer.plan(items)
+                loss_fn = make_loss("grpo", tc.loss, plan.normalizer, current_version=progress.step)
+                result = trainer.step(plan, loss_fn, with_entropy=tc.loss.entropy_coef > 0)
+                progress.step += 1
+                progress.samples += len(items)
+                push.after_step(progress.step)
+                if feed is not None:
+                    feed.control.publish_version(progress.step)
+                if writer is not None:
+                    metrics = dict(result.stats)
+                    metrics.update(reward_stats(minibatch).summary())
+                    metrics.update(
+                        {
+                            "loss": result.loss,
+                            "grad_norm": result.grad_norm,
+                            "throughput/tokens_per_s": result.tokens / max(result.seconds, 1e-9),
+                            "throughput/samples_per_s": len(items) / max(result.seconds, 1e-9),
+                            "staleness/batch": progress.step - 1 - min(g.min_version for g in minibatch),
+                            "batch_id": batch.batch_id,
+                            "lr": trainer.state.optimizer.param_groups[0]["lr"],
+                        }
+                    )
+                    writer.write(progress.step, metrics)
+            progress.last_batch_id = batch.batch_id
+            due = tc.checkpoint_every and progress.step - last_saved >= tc.checkpoint_every
+            if due or progress.step >= tc.steps:
+                trainer.save(out, progress)
+                last_saved = progress.step
+                if feed is not None:
+                    feed.control.report_consumed(batch.batch_id)
+        if progress.step > last_saved:
+            trainer.save(out, progress)
+            if feed is not None and progress.last_batch_id >= 0:
+                feed.control.report_consumed(progress.last_batch_id)
+        trainer.export_hf(export, tokenizer_from=opts.init)
+        return 0
+    finally:
+        push.close()
+        if writer is not None:
+            writer.close()
+        if feed is not None:
+            feed.close()
+        trainer.close()
+
+
+class _WeightPush:
+    """Weight sync to the rollout engines the broker knows; the engine set is re-read every step."""
+
+    def __init__(self, config: RunConfig, trainer, feed):
+        self.config, self.trainer, self.feed = config, trainer, feed
+        self.sync = None
+        self.urls: list[str] = []
+
+    def after_step(self, step: int) -> None:
+        from tidal.weights_sync.engine_api import EngineEndpoint
+
+        urls = _broadcast(self.feed.engines() if self.feed else [])
+        if not urls:
+            return
+        engines = [EngineEndpoint(url) for url in urls]
+        if self.sync is None:
+            from tidal.weights_sync.trainer_sync import TrainerWeightSync
+
+            self.sync = TrainerWeightSync(
+                self.config.weights_sync, self.config.model, self.trainer.state.chunks, engines
+            )
+        elif urls != self.urls:
+            self.sync.set_engines(engines)
+        self.urls = urls
+        started = time.perf_counter()
+        self.sync.after_step(step, step)
+        if self.trainer.rank == 0:
+            print(f"step {step}: weights to {len(engines)} engine(s) in {time.perf_counter() - started:.2f}s")
+
+    def close(self) -> None:
+        if self.sync is not None:
+            self.sync.close()

@@ -1,0 +1,150 @@
+"""One trainer rank: mesh, model, optimizer, packing and the step, shared by ``tidal train`` and ``tidal sft``."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tidal.config import RunConfig
+from tidal.trainer import checkpoint, models, parallel
+from tidal.trainer.optimizer import build_train_state
+from tidal.trainer.packing import MinibatchPlan, SequenceItem, plan_minibatch
+from tidal.trainer.step import LossFn, StepResult, train_step
+
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+def hf_dir(path: str | Path) -> Path:
+    """A Hugging Face model directory: ``path`` itself or its ``hf/`` (what ``tidal sft`` writes)."""
+    path = Path(path)
+    for candidate in (path, path / "hf"):
+        if (candidate / "config.json").exists():
+            return candidate
+    raise FileNotFoundError(
+        f"{path}: no config.json here or in {path / 'hf'}; pass a Hugging Face model directory"
+    )
+
+
+def _tokenizer_dir(path: str | Path) -> Path | None:
+    path = Path(path)
+    for candidate in (path, path / "hf"):
+        if (candidate / "tokenizer.json").exists() or (candidate / "tokenizer_config.json").exists():
+            return candidate
+    return None
+
+
+class TrainerRank:
+    def __init__(self, config: RunConfig, total_steps: int):
+        self.config = config
+        self.model_config = config.model.resolved()
+        tc = config.trainer
+        if tc.deterministic:
+            torch.use_deterministic_algorithms(True)
+        self.layout = parallel.init_parallel(tc.mesh, self.model_config, seed=tc.seed)
+        self.tconfig = models.transformer_config(
+            self.model_config,
+            tc.mesh,
+            bf16=tc.bf16,
+            deterministic=tc.deterministic,
+            moe_dispatcher=tc.moe_dispatcher,
+        )
+        chunks = models.build_model(self.model_config, self.tconfig, seed=tc.seed)
+        self.state = build_train_state(chunks, self.tconfig, tc.optimizer, total_steps)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def dp_rank(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_rank()
+
+    # ------------------------------------------------------------------ data and step
+
+    def plan(self, items: Sequence[SequenceItem], mask_truncated: bool = False) -> MinibatchPlan:
+        # context parallel needs 2*cp per sequence, sequence parallel a multiple of tp per micro-batch
+        pad = 2 * self.layout.cp * self.layout.tp if (self.layout.cp > 1 or self.layout.tp > 1) else 1
+        return plan_minibatch(
+            items,
+            dp_size=self.layout.dp,
+            max_tokens=-(-self.config.trainer.micro_batch_tokens // pad) * pad,
+            pad_multiple=pad,
+            mask_truncated=mask_truncated,
+        )
+
+    def step(self, plan: MinibatchPlan, loss_fn: LossFn, with_entropy: bool = False) -> StepResult:
+        return train_step(self.state, plan.micro_batches(self.dp_rank), loss_fn, with_entropy=with_entropy)
+
+    # ------------------------------------------------------------------ weights in and out
+
+    def load_hf(self, directory: str | Path) -> None:
+        """Load a Hugging Face checkpoint (collective)."""
+        from tidal.weights_sync.families import mapping_for
+        from tidal.weights_sync.gather import Groups, load_hf_into_chunks
+        from tidal.weights_sync.hf_io import load_tensors
+
+        tensors = load_tensors(hf_dir(directory))
+        load_hf_into_chunks(
+            [models.unwrap(c) for c in self.state.chunks],
+            tensors,
+            mapping_for(self.model_config),
+            Groups.from_megatron(),
+        )
+        # the distributed optimizer keeps fp32 main copies of bf16 weights: refresh them
+        for opt in getattr(self.state.optimizer, "chained_optimizers", [self.state.optimizer]):
+            reload = getattr(opt, "reload_model_params", None)
+            if reload is not None:
+                reload()
+
+    def export_hf(self, directory: str | Path, tokenizer_from: str | Path | None = None) -> None:
+        """Write the model as a Hugging Face directory from global rank 0 (collective)."""
+        from megatron.core import parallel_state as ps
+
+        from tidal.weights_sync.families import mapping_for
+        from tidal.weights_sync.gather import Groups, iter_hf
+        from tidal.weights_sync.hf_io import save
+
+        chunks = [models.unwrap(c) for c in self.state.chunks]
+        tensors = {
+            n: t.detach().float().cpu()
+            for n, t in iter_hf(chunks, mapping_for(self.model_config), Groups.from_megatron())
+        }
+        holder = (
+            ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_data_parallel_rank(with_context_parallel=True) == 0
+        )
+        parts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, tensors if holder else {})
+        if self.rank == 0:
+            merged = {k: v for part in parts for k, v in part.items()}
+            save(directory, merged, self.model_config)
+            source = _tokenizer_dir(tokenizer_from) if tokenizer_from is not None else None
+            if source is not None:
+                for name in _TOKENIZER_FILES:
+                    if (source / name).exists():
+                        shutil.copy(source / name, Path(directory) / name)
+        dist.barrier()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self, run_dir: str | Path, progress: checkpoint.Progress) -> Path:
+        return checkpoint.save(self.state, run_dir, progress)
+
+    def resume(self, run_dir: str | Path) -> checkpoint.Progress | None:
+        path = checkpoint.latest(run_dir)
+        return None if path is None else checkpoint.load(self.state, path)
+
+    def close(self) -> None:
+        parallel.shutdown()
