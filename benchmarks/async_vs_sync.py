@@ -42,6 +42,7 @@ import json
 import logging
 import math
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -451,6 +452,8 @@ def table(results: list[dict], cap: dict[str, Any]) -> str:
 def main(argv: list[str]) -> int:
     cfg, a = parse_args(argv)
     cap = capacities(cfg)
+    revision = source_revision()
+    print(f"code at {revision}")
     print("ideal bound:\n  " + "\n  ".join(cap["derivation"]), flush=True)
     with tempfile.TemporaryDirectory(prefix="async_vs_sync-") as tmp:
         work = Path(a.work_dir) if a.work_dir else Path(tmp)
@@ -485,6 +488,7 @@ def main(argv: list[str]) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         payload = {
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "revision": revision,
             "config": cfg.model_dump(),
             "capacities": cap,
             "results": results,
@@ -493,6 +497,35 @@ def main(argv: list[str]) -> int:
         out.write_text(json.dumps(payload, indent=1))
         print(f"wrote {out}")
     return 0
+
+
+def source_revision() -> str:
+    """The commit the measured code came from, ``-dirty`` when the system's folders had local changes."""
+    root = SCRIPT.parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        changed = subprocess.run(
+            [
+                "git",
+                "status",
+                "--porcelain",
+                "--",
+                "broker",
+                "rollout",
+                "tidal",
+                "benchmarks/async_vs_sync.py",
+                "benchmarks/standins.py",
+            ],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("-dirty" if changed else "")
 
 
 def _load_config(path: str) -> BenchConfig:
