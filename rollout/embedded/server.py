@@ -24,6 +24,9 @@ from tidal.rollout.embedded.service import ENGINE_ERRORS, BadRequest, EmbeddedEn
 # The SGLang release whose HTTP protocol this server speaks (reported as /server_info's version).
 SGLANG_PROTOCOL_VERSION = "0.5.23"
 
+# how long /health_generate waits for its one-token generation (SGLang's HEALTH_CHECK_TIMEOUT)
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+
 # how often a running /generate checks whether its client is still connected
 DISCONNECT_POLL_S = 0.5
 
@@ -116,9 +119,25 @@ def create_app(engine: EmbeddedEngine, *, host: str = "", port: int = 0) -> Fast
         return error(f"invalid request to {request.url.path}: {'; '.join(parts)}")
 
     @app.get("/health")
-    @app.get("/health_generate")
     async def health() -> Response:
         return Response(status_code=200 if engine.scheduler.alive else 503)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        """Generate one token when idle (a busy or paused engine counts as healthy, as in SGLang)."""
+        sched = engine.scheduler
+        if not sched.alive:
+            return Response(status_code=503)
+        if sched.running or sched.waiting or sched.paused is not None:
+            return Response(status_code=200)
+        probe = GenerateInput(
+            input_ids=[0], params=SamplingParams(max_new_tokens=1, temperature=0.0), return_logprob=False
+        )
+        try:
+            await asyncio.wait_for(engine.generate([probe]), HEALTH_GENERATE_TIMEOUT_S)
+        except (TimeoutError, RuntimeError):
+            return Response(status_code=503)
+        return Response(status_code=200)
 
     @app.get("/model_info")
     @app.get("/get_model_info")

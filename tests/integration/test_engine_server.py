@@ -242,6 +242,7 @@ def test_bad_requests_get_400_with_a_message_and_the_server_keeps_serving(engine
         resp = httpx.post(url + route, json=body, timeout=30)
         assert resp.status_code == 400, (route, body, resp.text)
         assert needle in resp.text, (route, resp.text)
+    assert httpx.get(url + "/health_generate", timeout=30).status_code == 200
     resp = httpx.post(url + "/generate", content=b"{not json", timeout=30)
     assert resp.status_code == 400 and "not valid JSON" in resp.text
     ok = httpx.post(
