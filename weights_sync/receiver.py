@@ -109,6 +109,6 @@ class WeightReceiver:
         """Receive plain uint8 broadcasts of ``sizes`` bytes into one reused buffer (benchmark baseline)."""
         with self._lock:
             group = self._groups[group_name]
-        buf = torch.empty(max(sizes), dtype=torch.uint8, device=self.device)
+        buf = self._buffer(group_name, max(sizes))  # the same reused buffer as bucket receives
         for n in sizes:
             group.broadcast(buf[:n], src=0)

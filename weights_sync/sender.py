@@ -348,7 +348,9 @@ def raw_broadcast(sender: WeightSender, sizes: list[int]) -> float:
     group = sender._group
     if group is None:
         raise RuntimeError("no weight-update group: run a sync first")
-    buf = torch.ones(max(sizes), dtype=torch.uint8, device=sender.device)
+    buf = sender._staging[0]  # the sync's own staging buffer: both sides reuse memory, as a sync does
+    if buf is None or buf.numel() < max(sizes):
+        buf = sender._staging[0] = torch.ones(max(sizes), dtype=torch.uint8, device=sender.device)
     t0 = time.perf_counter()
     futures = {
         u: sender._pool.submit(
