@@ -14,6 +14,20 @@ from tidal.trainer.mesh import mesh_errors
 from tidal.weights_sync.config import WeightSyncConfig
 
 
+class WarmupConfig(BaseModel):
+    """The supervised warm-up that ``tidal run`` gives the model before RL (``tidal sft``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    steps: int = Field(250, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    schedule: Literal["constant", "cosine", "linear"] = Field(
+        "cosine", description="anneal to zero, so that RL gains are not continued-SFT gains"
+    )
+    warmup_steps: int = Field(10, ge=0)
+
+
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -27,6 +41,7 @@ class RunConfig(BaseModel):
     rollout: RolloutConfig = RolloutConfig()
     trainer: TrainerConfig = TrainerConfig()
     weights_sync: WeightSyncConfig = WeightSyncConfig()
+    warmup: WarmupConfig = WarmupConfig()
 
     @model_validator(mode="after")
     def _check_mesh(self) -> RunConfig:

@@ -144,10 +144,11 @@ def main(config: RunConfig, args: list[str]) -> int:
         t0 = time.time()
         if not (rd.sft_hf / "config.json").exists():
             view.event("supervised warm-up (tidal sft)")
-            run_phase(sup, sft_spec(config, rd, init=rd.init_hf, out=rd.sft, lr=None, wall_s=None))
+            run_phase(sup, warmup_spec(config, rd))
         sft_wall = time.time() - t0
         with view:
             grpo_wall = run_grpo(config, rd, sup, view, files)
+        stop_job(sup)
         results = evaluate_all(config, rd, sup, view, files, grpo_wall, opts.control)
         results["sft_wall_s"] = sft_wall
         results["grpo_wall_s"] = grpo_wall
@@ -164,26 +165,48 @@ def main(config: RunConfig, args: list[str]) -> int:
         print(f"\ntidal run: {exc}", file=sys.stderr)
         return 1
     finally:
-        sup.stop_all(order=["trainer", *[n for n in sup.states if n.startswith("rollout")], "broker"])
+        stop_job(sup)
 
 
-def sft_spec(
-    config: RunConfig,
-    rd: RunDir,
-    *,
-    init: Path,
-    out: Path,
-    lr: float | None,
-    wall_s: float | None,
-    name: str = "sft",
-) -> ProcessSpec:
-    extra = [f"--init={init}", f"--out={out}"]
-    if lr is not None:
-        extra.append(f"--lr={lr}")
-    if wall_s is not None:
-        extra.append(f"--wall-s={wall_s:.1f}")
-    cmd = torchrun_cmd(config.trainer.nproc, free_port(), "sft", str(rd.config), *extra)
-    return ProcessSpec(name=name, cmd=cmd, log=rd.logs / f"{name}.log", expect_exit=True)
+def stop_job(sup: Supervisor) -> None:
+    """Trainer first (it may be checkpointing), then rollout nodes (they return their leases), broker last."""
+    sup.stop_all(
+        order=["trainer", *[n for n in sup.states if n.startswith("rollout")], "broker", "sft", "control"]
+    )
+
+
+def warmup_spec(config: RunConfig, rd: RunDir) -> ProcessSpec:
+    """``tidal sft`` from the initial model with the warm-up's own schedule (annealed to zero)."""
+    w = config.warmup
+    overrides = [
+        f"trainer.optimizer.lr={w.lr}",
+        f"trainer.optimizer.schedule={w.schedule}",
+        "trainer.optimizer.min_lr=0.0",
+        f"trainer.optimizer.warmup_steps={w.warmup_steps}",
+    ]
+    flags = [f"--init={rd.init_hf}", f"--out={rd.sft}", f"--steps={w.steps}"]
+    cmd = torchrun_cmd(config.trainer.nproc, free_port(), "sft", str(rd.config), *overrides, *flags)
+    return ProcessSpec(name="sft", cmd=cmd, log=rd.logs / "sft.log", expect_exit=True)
+
+
+def control_spec(config: RunConfig, rd: RunDir, wall_s: float) -> ProcessSpec:
+    """The control: continued SFT from the warm-up at GRPO's learning rate for GRPO's wall time."""
+    flags = [
+        f"--init={rd.sft_hf}",
+        f"--out={rd.control}",
+        f"--lr={config.trainer.optimizer.lr}",
+        f"--wall-s={wall_s:.1f}",
+        f"--steps={10**9}",
+    ]
+    cmd = torchrun_cmd(
+        config.trainer.nproc,
+        free_port(),
+        "sft",
+        str(rd.config),
+        "trainer.optimizer.schedule=constant",
+        *flags,
+    )
+    return ProcessSpec(name="control", cmd=cmd, log=rd.logs / "control.log", expect_exit=True)
 
 
 def run_grpo(config: RunConfig, rd: RunDir, sup: Supervisor, view, files) -> float:
@@ -259,20 +282,8 @@ def evaluate_all(
     results["sft"] = evaluate_dir(rd.sft_hf, task, rows, max_new).as_dict()
     results["grpo"] = evaluate_dir(rd.final_hf, task, rows, max_new).as_dict()
     if control:
-        sup.stop_all()
         view.event(f"control: continued SFT at GRPO's lr for {grpo_wall:.0f}s")
-        run_phase(
-            sup,
-            sft_spec(
-                config,
-                rd,
-                init=rd.sft,
-                out=rd.control,
-                lr=config.trainer.optimizer.lr,
-                wall_s=grpo_wall,
-                name="control",
-            ),
-        )
+        run_phase(sup, control_spec(config, rd, grpo_wall))
         results["control_sft"] = evaluate_dir(rd.control / "hf", task, rows, max_new).as_dict()
     return results
 
