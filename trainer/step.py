@@ -78,14 +78,23 @@ def pad_micro_batch(mb: MicroBatch, length: int, pad_token_id: int = 0) -> Micro
     )
 
 
-def equalize_lengths(micro_batches: list[MicroBatch], group=None) -> list[MicroBatch]:
+def equalize_lengths(micro_batches: list[MicroBatch], group=None, device=None) -> list[MicroBatch]:
     """Pad the i-th micro-batch of every rank to the same length.
 
     megatron's allgather MoE dispatcher gathers tokens over tp x ep with equal sizes only.
     """
-    lengths = torch.tensor([mb.num_tokens for mb in micro_batches], dtype=torch.int64)
+    lengths = torch.tensor([mb.num_tokens for mb in micro_batches], dtype=torch.int64, device=device)
     dist.all_reduce(lengths, op=dist.ReduceOp.MAX, group=group)
     return [pad_micro_batch(mb, int(n)) for mb, n in zip(micro_batches, lengths.tolist(), strict=True)]
+
+
+def _to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
+    if mb.tokens.device == device:
+        return mb
+    moved = {name: getattr(mb, name).to(device, non_blocking=True) for name in _PER_TOKEN}
+    return replace(
+        mb, **moved, cu_seqlens=mb.cu_seqlens.to(device), cu_seqlens_padded=mb.cu_seqlens_padded.to(device)
+    )
 
 
 def local_cu_seqlens(mb: MicroBatch, cp_size: int) -> torch.Tensor:
@@ -160,6 +169,7 @@ def train_step(
     started = time.perf_counter()
     chunks = state.chunks
     tconfig = chunks[0].config
+    device = next(chunks[0].parameters()).device  # collectives on NCCL need tensors on the GPU
     cp_size = ps.get_context_parallel_world_size()
     cp_rank = ps.get_context_parallel_rank()
     dp_cp = ps.get_data_parallel_world_size(with_context_parallel=True)
@@ -167,7 +177,7 @@ def train_step(
     vocab = _VocabParallel()
     seq_reduce = _cp_seq_reduce(ps.get_context_parallel_group() if cp_size > 1 else None, cp_size)
     if tconfig.num_moe_experts and tconfig.moe_token_dispatcher_type == "allgather":
-        micro_batches = equalize_lengths(micro_batches)
+        micro_batches = equalize_lengths(micro_batches, device=device)
     if len(chunks) > 1:
         # the interleaved schedule sizes its receive buffers from seq_length, not per micro-batch
         longest = max(mb.num_tokens for mb in micro_batches)
@@ -187,7 +197,7 @@ def train_step(
         return result.loss * scale, torch.tensor(1, dtype=torch.int), {"stats": result.stats}
 
     def forward_step(data_iterator, model):
-        mb = next(data_iterator)
+        mb = _to_device(next(data_iterator), device)
         params = PackedSeqParams(
             qkv_format="thd",
             cu_seqlens_q=mb.cu_seqlens,
@@ -197,10 +207,7 @@ def train_step(
             max_seqlen_q=mb.max_seqlen,
             max_seqlen_kv=mb.max_seqlen,
         )
-        device = next(model.parameters()).device
-        output = model(
-            mb.tokens[None].to(device), mb.position_ids[None].to(device), None, packed_seq_params=params
-        )
+        output = model(mb.tokens[None], mb.position_ids[None], None, packed_seq_params=params)
         return output, partial(loss_func, mb)
 
     for chunk in chunks:
@@ -221,8 +228,8 @@ def train_step(
         ok, grad_norm, _ = state.optimizer.step()
         state.scheduler.step(increment=1)
         grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
-    stats = _reduce_stats(outputs)
-    tokens = torch.tensor(sum(mb.num_tokens for mb in micro_batches), dtype=torch.float64)
+    stats = _reduce_stats(outputs, device)
+    tokens = torch.tensor(sum(mb.num_tokens for mb in micro_batches), dtype=torch.float64, device=device)
     dist.all_reduce(tokens, group=ps.get_data_parallel_group())
     return StepResult(
         loss=stats.get("loss/total", float("nan")),
@@ -234,7 +241,7 @@ def train_step(
     )
 
 
-def _reduce_stats(outputs: list[dict]) -> dict[str, float]:
+def _reduce_stats(outputs: list[dict], device: torch.device) -> dict[str, float]:
     """Statistics of the whole minibatch, on every rank (the last pipeline stage computes them)."""
     from megatron.core import parallel_state as ps
 
@@ -243,7 +250,8 @@ def _reduce_stats(outputs: list[dict]) -> dict[str, float]:
         stats = StepStats()
         for out in outputs:
             stats = stats.merge(out["stats"])
-        summary = stats.all_reduce(group=ps.get_data_parallel_group(with_context_parallel=True)).summary()
+        group = ps.get_data_parallel_group(with_context_parallel=True)
+        summary = stats.all_reduce(group=group, device=device).summary()
     if ps.get_pipeline_model_parallel_world_size() > 1:
         box = [summary]
         last = ps.get_pipeline_model_parallel_last_rank()
