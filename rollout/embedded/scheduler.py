@@ -14,6 +14,7 @@ waits until the running batch has drained (SGLang's writer lock), admitting noth
 from __future__ import annotations
 
 import collections
+import inspect
 import threading
 import traceback
 import uuid
@@ -82,6 +83,10 @@ class Scheduler:
     ):
         self.lm = lm
         self.decoder = lm.get_decoder()
+        # transformers renamed ``past_key_values`` to ``cache`` (5.2x); older 5.x ignores ``cache`` silently,
+        # which would make attention see only the new tokens.
+        params = inspect.signature(self.decoder.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.lm_head = lm.get_output_embeddings()
         self.device = torch.device(device)
         self.max_batch_size = max_batch_size
@@ -199,7 +204,7 @@ class Scheduler:
         out = self.decoder(
             input_ids=ids,
             position_ids=batch.position_ids,
-            cache=StepCache(self.pool, batch),
+            **{self._cache_kwarg: StepCache(self.pool, batch)},
             use_cache=False,
             tidal_step=batch,
         )
