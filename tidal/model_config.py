@@ -230,6 +230,10 @@ class ModelConfig(BaseModel):
             "attention_bias": False,
             "torch_dtype": "float32",
         }
+        if self.family == "deepseek_v3":
+            # transformers' MLA reads head_dim as the rotary width and has no grouped K/V heads
+            d["head_dim"] = self.qk_rope_head_dim
+            d["num_key_value_heads"] = self.num_attention_heads
         if self.family == "qwen3_moe":
             d.update(
                 num_experts=self.num_experts,
