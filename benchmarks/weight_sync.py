@@ -86,7 +86,7 @@ def megatron_state(model: ModelConfig, dtype: torch.dtype, device: str) -> dict[
     return {n: torch.full(s, 0.5, dtype=dtype, device=device) for n, s in shapes.items()}
 
 
-def start_receivers(n: int, logdir: Path):
+def start_receivers(n: int, logdir: Path, threads: int):
     procs, urls = [], []
     for i in range(n):
         port = free_port()
@@ -99,7 +99,7 @@ def start_receivers(n: int, logdir: Path):
             "--timeout-s",
             "600",
         ]
-        procs.append(spawn(cmd, logdir / f"receiver{i}.log"))
+        procs.append(spawn(cmd, logdir / f"receiver{i}.log", env={"OMP_NUM_THREADS": str(threads)}))
         urls.append(f"http://127.0.0.1:{port}")
     for proc, url in zip(procs, urls, strict=True):
         wait_for_tcp("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout_s=120, proc=proc)
@@ -197,6 +197,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes-mb", type=int, nargs="+", default=[10, 100, 500, 2000])
     p.add_argument("--engines", type=int, default=1)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads of the sender and receivers (memcpy-bound; more threads oversubscribe "
+        "a small shared CPU)",
+    )
     p.add_argument("--tp", type=int, default=1, help="> 1: a megatron-core model on a TP mesh (torchrun)")
     p.add_argument("--bucket-mb", type=int, default=WeightSyncConfig().bucket_bytes >> 20)
     p.add_argument("--repeats", type=int, default=3)
@@ -210,13 +217,14 @@ def main() -> int:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.tp}"]
         cmd += ["--master-addr=127.0.0.1", f"--master-port={free_port()}", __file__, *sys.argv[1:]]
         os.execv(sys.executable, cmd)
+    torch.set_num_threads(args.threads)
     rank = 0
     if args.tp > 1:
         from tidal.trainer import parallel
 
         rank, _ = parallel.init_distributed()
     logdir = Path(args.out.parent if args.out else "runs/bench") / "weight_sync_logs"
-    procs, urls = start_receivers(args.engines, logdir) if rank == 0 else ([], [])
+    procs, urls = start_receivers(args.engines, logdir, args.threads) if rank == 0 else ([], [])
     if args.tp > 1:
         shared = [urls]
         torch.distributed.broadcast_object_list(shared, src=0)
@@ -248,6 +256,7 @@ def main() -> int:
         repeats=args.repeats,
         dtype=args.dtype,
         tp=args.tp,
+        threads=args.threads,
         backend=args.backend,
         device=args.device,
         torch=torch.__version__,
