@@ -99,6 +99,8 @@ class AsyncBrokerClient:
         self._pending: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
         self._registration: dict[str, Any] | None = None
+        self._register_lock = asyncio.Lock()
+        self._generation = 0  # registrations so far: a call knows whether one happened since it was sent
 
     async def _read_loop(self) -> None:
         while True:
@@ -114,14 +116,23 @@ class AsyncBrokerClient:
     async def _call(
         self, type_: str, body: dict[str, Any], frames=(), timeout: float | None = None
     ) -> tuple[dict[str, Any], list[Any]]:
+        generation = self._generation
         try:
             return await self._call_once(type_, body, frames, timeout)
         except BrokerError as exc:
             if exc.code != proto.NOT_REGISTERED or self._registration is None or type_ == "register":
                 raise
-        # The broker restarted (membership is not journaled): register again and retry once.
-        self.node_id = (await self._call_once("register", self._registration))[0]["node_id"]
+        # The broker restarted (membership is not journaled): register again and retry once. Single-flight:
+        # a second registration would make the broker drop the first one and take back the leases just
+        # granted under it, so concurrent calls wait for one registration and the later ones reuse it.
+        async with self._register_lock:
+            if self._generation == generation:
+                await self._register_once()
         return await self._call_once(type_, body, frames, timeout)
+
+    async def _register_once(self) -> None:
+        self.node_id = (await self._call_once("register", self._registration))[0]["node_id"]
+        self._generation += 1
 
     async def _call_once(
         self, type_: str, body: dict[str, Any], frames=(), timeout: float | None = None
@@ -149,8 +160,8 @@ class AsyncBrokerClient:
 
     async def register(self, role: str, name: str, meta: dict | None = None) -> str:
         self._registration = {"role": role, "name": name, "meta": meta or {}}
-        body, _ = await self._call("register", self._registration)
-        self.node_id = body["node_id"]
+        async with self._register_lock:
+            await self._register_once()
         return self.node_id
 
     async def heartbeat(self) -> dict:
