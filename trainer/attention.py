@@ -122,6 +122,25 @@ class PackedCoreAttention(MegatronModule):
             return out.permute(2, 0, 1, 3).reshape(s, b, -1)
         return self._forward_thd(query, key, value, packed_seq_params)
 
+    def _per_sequence(self, query, key, value, cu: torch.Tensor) -> torch.Tensor:
+        """Causal attention within each packed sequence: sum of L_i^2 work, not (sum L_i)^2."""
+        lengths = (cu[1:] - cu[:-1]).tolist()
+        if sum(lengths) != query.shape[0]:
+            raise ValueError(
+                f"cu_seqlens cover {sum(lengths)} tokens but the packed batch has {query.shape[0]}"
+            )
+        outs = []
+        scale = self._scale(query.shape[-1])
+        dropout = self.dropout if self.training else 0.0
+        for q, k, v in zip(query.split(lengths), key.split(lengths), value.split(lengths), strict=True):
+            q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, L, d]
+            k, v = self._expand_groups(q, k, v, head_dim=0)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=dropout, scale=scale
+            )
+            outs.append(out.transpose(0, 1))
+        return torch.cat(outs).reshape(query.shape[0], -1)
+
     @staticmethod
     def _expand_groups(q, k, v, head_dim: int):
         groups = q.shape[head_dim] // k.shape[head_dim]
@@ -135,6 +154,8 @@ class PackedCoreAttention(MegatronModule):
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         cu = cu.to("cpu", torch.long)
         cp_size = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
+        if cp_size == 1:
+            return self._per_sequence(query, key, value, cu)
         seq_ids = _sequence_ids(cu)
         if cp_size > 1:
             cp_rank = dist.get_rank(self.cp_group)

@@ -110,6 +110,11 @@ def main(config: RunConfig, args: list[str]) -> int:
 
     opts = parse_options(args)
     tc = config.trainer
+    if tc.loss.kl_coef > 0 or tc.loss.recompute_proximal_logprobs:
+        raise ConfigError(
+            "tidal train does not yet run a reference model or a proximal-logprob pass: set "
+            "trainer.loss.kl_coef=0 and trainer.loss.recompute_proximal_logprobs=false"
+        )
     run_dir = Path(config.run_dir)
     out = Path(opts.out) if opts.out else run_dir / "train"
     export = Path(opts.export) if opts.export else run_dir / "final_hf"
