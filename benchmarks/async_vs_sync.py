@@ -41,6 +41,7 @@ import itertools
 import json
 import logging
 import math
+import signal
 import statistics
 import subprocess
 import sys
@@ -548,4 +549,6 @@ if __name__ == "__main__":
         config_path, broker_addr, out_path, *control_addrs = rest
         sys.exit(run_trainer(_load_config(config_path), broker_addr, control_addrs, Path(out_path)))
     else:
+        # SIGTERM unwinds main, so that the broker, nodes and trainer it started are stopped
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
         sys.exit(main(sys.argv[1:]))
