@@ -25,6 +25,12 @@ class JournalConfig(BaseModel):
     fsync: Literal["always", "interval", "never"] = "interval"
     fsync_interval_s: float = Field(0.05, gt=0)
     compact_every_bytes: int = Field(256 << 20, gt=0, description="compact once this many bytes are dead")
+    compact_dead_per_live: float = Field(
+        4.0,
+        ge=0,
+        description="and once the dead bytes are this many times the live ones: compaction copies the live "
+        "groups, so this bounds that copy to 1/ratio of the bytes journaled (0: the byte threshold alone)",
+    )
     direct_io: bool = Field(
         True, description="append with O_DIRECT (falls back to the page cache where the file system refuses)"
     )

@@ -235,7 +235,9 @@ def test_replay_after_a_crash_restores_everything_and_requeues_leased_prompts(tm
 
 
 def test_compaction_keeps_the_live_state_and_shrinks_the_log(tmp_path):
-    state = make_state(tmp_path, max_staleness=3, journal={"compact_every_bytes": 1})
+    state = make_state(
+        tmp_path, max_staleness=3, journal={"compact_every_bytes": 1, "compact_dead_per_live": 0}
+    )
     _busy_history(state)
     before = state.journal.bytes_written
     assert state.maybe_compact() and state.journal.bytes_written < before
@@ -243,6 +245,19 @@ def test_compaction_keeps_the_live_state_and_shrinks_the_log(tmp_path):
     again = make_state(tmp_path, max_staleness=3, dynamic_sampling=True)
     assert _summary(again) | {"requeue": None} == _summary(state) | {"requeue": None}
     assert sorted(again.requeue) == sorted(g for lease in state.leases.values() for g in lease.pending)
+
+
+def test_compaction_waits_until_the_dead_bytes_outweigh_the_live_ones_by_the_ratio(tmp_path):
+    state = make_state(tmp_path, max_staleness=3, journal={"compact_every_bytes": 1})
+    _busy_history(state)
+    live = state.live_bytes()
+    dead = state.journal.bytes_written - live
+    assert live > 0 and dead > 0
+    state.cfg.journal.compact_dead_per_live = dead / live * 1.01
+    before = state.journal.bytes_written
+    assert not state.maybe_compact() and state.journal.bytes_written == before
+    state.cfg.journal.compact_dead_per_live = dead / live * 0.99
+    assert state.maybe_compact() and state.journal.bytes_written < before
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
