@@ -3,6 +3,8 @@
 For each batch size, both generate ``--new-tokens`` greedy tokens (EOS ignored) for the same random
 ``--prompt-len``-token prompts on the same randomly initialised model; the engine receives all requests at
 once (its scheduler batches them; no HTTP in the loop). Prints a table, writes JSON with ``--out``.
+Besides wall-clock tokens/s it reports tokens per CPU-second of the process (``time.process_time``), which
+a loaded shared machine disturbs far less than wall time (with ``--threads 1`` both count the same work).
 With ``--mixed`` each request asks for its own length (static batching runs to the longest; only the
 requested tokens count, for both).
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import threading
 import time
@@ -47,6 +50,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1, help="timed runs per point (the median is reported)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--no-fuse", action="store_true", help="engine without fused Q/K/V and gate/up matmuls")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     return p.parse_args()
 
@@ -77,9 +81,9 @@ def sync(device: str) -> None:
 
 def run_transformers(
     ref, prompts: torch.Tensor, new_tokens: int, device: str
-) -> tuple[float, list[list[int]]]:
+) -> tuple[float, float, list[list[int]]]:
     sync(device)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with torch.inference_mode():
         out = ref.generate(
             prompts,
@@ -91,12 +95,12 @@ def run_transformers(
             pad_token_id=0,
         )
     sync(device)
-    return time.perf_counter() - t0, out[:, prompts.shape[1] :].tolist()
+    return time.perf_counter() - t0, time.process_time() - c0, out[:, prompts.shape[1] :].tolist()
 
 
 def run_engine(
     sched: Scheduler, prompts: list[list[int]], lengths: list[int], device: str
-) -> tuple[float, list[list[int]]]:
+) -> tuple[float, float, list[list[int]]]:
     done: dict[int, Request] = {}
     finished = threading.Event()
 
@@ -106,14 +110,18 @@ def run_engine(
             finished.set()
 
     sync(device)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
         params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
         sched.submit(Request(input_ids=p, params=params, rid=str(i), on_done=on_done))
     if not finished.wait(3600):
         raise TimeoutError("engine did not finish the batch")
     sync(device)
-    return time.perf_counter() - t0, [done[i].output_ids for i in range(len(prompts))]
+    return (
+        time.perf_counter() - t0,
+        time.process_time() - c0,
+        [done[i].output_ids for i in range(len(prompts))],
+    )
 
 
 def main() -> None:
@@ -122,7 +130,7 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     cfg = model_config(a)
     batch_sizes = [int(b) for b in a.batch_sizes.split(",")]
-    lm = build_model(cfg, seed=a.seed, device=a.device, dtype=a.dtype)
+    lm = build_model(cfg, seed=a.seed, device=a.device, dtype=a.dtype, fuse=not a.no_fuse)
     ref = transformers.AutoModelForCausalLM.from_config(
         lm.config.__class__(**lm.config.to_dict()), dtype=lm.dtype
     )
@@ -152,32 +160,41 @@ def main() -> None:
                 lengths = torch.randint(a.new_tokens // 8, a.new_tokens + 1, (b,), generator=gen).tolist()
             else:
                 lengths = [a.new_tokens] * b
-            hf_times, eng_times, same = [], [], 0.0
+            hf_times, eng_times, hf_cpu, eng_cpu, same = [], [], [], [], 0.0
             for _ in range(a.repeats):
                 # static batching: transformers runs the batch to its longest request
-                t_hf, out_hf = run_transformers(ref, prompts, max(lengths), a.device)
-                t_eng, out_eng = run_engine(sched, prompts.tolist(), lengths, a.device)
+                t_hf, c_hf, out_hf = run_transformers(ref, prompts, max(lengths), a.device)
+                t_eng, c_eng, out_eng = run_engine(sched, prompts.tolist(), lengths, a.device)
                 hf_times.append(t_hf)
                 eng_times.append(t_eng)
+                hf_cpu.append(c_hf)
+                eng_cpu.append(c_eng)
                 same = sum(x[:n] == y for x, y, n in zip(out_hf, out_eng, lengths, strict=True)) / b
             tokens = sum(lengths)
             hf_tps = tokens / statistics.median(hf_times)
             eng_tps = tokens / statistics.median(eng_times)
+            hf_cps = tokens / statistics.median(hf_cpu)
+            eng_cps = tokens / statistics.median(eng_cpu)
             rows.append(
                 {
                     "batch": b,
                     "transformers_tok_s": round(hf_tps, 1),
                     "engine_tok_s": round(eng_tps, 1),
                     "speedup": round(eng_tps / hf_tps, 2),
+                    "transformers_tok_per_cpu_s": round(hf_cps, 1),
+                    "engine_tok_per_cpu_s": round(eng_cps, 1),
+                    "speedup_cpu_time": round(eng_cps / hf_cps, 2),
                     "greedy_identical_fraction": same,
                     "transformers_s": [round(t, 3) for t in hf_times],
                     "engine_s": [round(t, 3) for t in eng_times],
+                    "load_average": [round(x, 2) for x in os.getloadavg()],
                 }
             )
             r = rows[-1]
             print(
                 f"batch {b:>3}: transformers {r['transformers_tok_s']:>9.1f} tok/s | engine {r['engine_tok_s']:>9.1f} "
-                f"tok/s | x{r['speedup']:.2f} | identical outputs {same:.0%}",
+                f"tok/s | x{r['speedup']:.2f} (CPU time x{r['speedup_cpu_time']:.2f}) | identical outputs {same:.0%} "
+                f"| load {r['load_average'][0]}",
                 flush=True,
             )
     finally:
@@ -193,13 +210,18 @@ def main() -> None:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "threads": torch.get_num_threads(),
+        "fused_projections": not a.no_fuse,
+        "cpus": os.cpu_count(),
     }
-    print("\n| batch | transformers tok/s | engine tok/s | speedup | identical greedy outputs |")
-    print("|---:|---:|---:|---:|---:|")
+    print(
+        "\n| batch | transformers tok/s | engine tok/s | speedup | speedup (CPU time) | identical greedy "
+        "outputs | load avg |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['batch']} | {r['transformers_tok_s']} | {r['engine_tok_s']} | {r['speedup']}x | "
-            f"{r['greedy_identical_fraction']:.0%} |"
+            f"{r['speedup_cpu_time']}x | {r['greedy_identical_fraction']:.0%} | {r['load_average'][0]} |"
         )
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -36,6 +36,9 @@ class EmbeddedEngineConfig(BaseModel):
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads of the engine process (CPU); None: torch's default"
     )
+    fuse_projections: bool = Field(
+        True, description="run Q/K/V and gate/up as one matmul each (weights stay shared with the model's)"
+    )
 
 
 class SGLangEngineConfig(BaseModel):

@@ -10,7 +10,9 @@ shape-agnostic per layer, so DeepSeek-V3's compressed MLA latents are cached lik
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +30,9 @@ class KVPool:
         self.device = torch.device(device)
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
-        self._free = list(range(num_slots - 1, -1, -1))
+        # lowest free slot first: the running batch stays a contiguous block of the pool as long as it can,
+        # so decode attends over a view of the pool instead of gathering the rows' caches every layer
+        self._free = list(range(num_slots))
 
     @property
     def free_slots(self) -> int:
@@ -39,10 +43,10 @@ class KVPool:
             raise RuntimeError(
                 "KV pool has no free slot (the scheduler must not admit more than max_batch_size)"
             )
-        return self._free.pop()
+        return heapq.heappop(self._free)
 
     def release(self, slot: int) -> None:
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)
 
     def _buffers(
         self, layer: int, key: torch.Tensor, value: torch.Tensor
@@ -71,13 +75,25 @@ class StepBatch:
         self.kv_len = max(s + self.q_len for s in self.starts)
         self._contiguous = self.slots == list(range(self.slots[0], self.slots[0] + self.rows))
         self._uniform_start = len(set(self.starts)) == 1
-        self.slot_index = torch.tensor(self.slots, device=self.device)
-        starts = torch.tensor(self.starts, device=self.device)
-        self.position_ids = starts[:, None] + torch.arange(self.q_len, device=self.device)[None, :]
-        # query i of a row sees keys 0..start+i; padded queries past new_len see garbage but are discarded
-        key_pos = torch.arange(self.kv_len, device=self.device)
-        self.mask = (key_pos[None, None, :] <= self.position_ids[:, :, None])[:, None, :, :]
+        self.decode = self.q_len == 1
+        self.starts_t = torch.tensor(self.starts, device=self.device)
+        self.position_ids = self.starts_t[:, None] + torch.arange(self.q_len, device=self.device)[None, :]
         self.last_index = torch.tensor([n - 1 for n in self.new_lens], device=self.device)
+
+    @cached_property
+    def slot_index(self) -> torch.Tensor:
+        return torch.tensor(self.slots, device=self.device)
+
+    @cached_property
+    def mask(self) -> torch.Tensor | None:
+        """``[rows, 1, q_len, kv_len]`` bool: query i of a row sees keys 0..start+i; None when all see all.
+
+        Padded queries past a row's new_len see garbage, but their outputs are discarded.
+        """
+        if self.decode and self._uniform_start:
+            return None  # every row sees exactly its whole cache
+        key_pos = torch.arange(self.kv_len, device=self.device)
+        return (key_pos[None, None, :] <= self.position_ids[:, :, None])[:, None, :, :]
 
 
 class StepCache:
@@ -97,6 +113,10 @@ class StepCache:
             lo, start = b.slots[0], b.starts[0]
             k_buf[lo : lo + b.rows, :, start : start + q] = key_states
             v_buf[lo : lo + b.rows, :, start : start + q] = value_states
+        elif q == 1:
+            # one token per row at the row's own offset: a single scatter, no loop over rows
+            k_buf[b.slot_index, :, b.starts_t] = key_states[:, :, 0]
+            v_buf[b.slot_index, :, b.starts_t] = value_states[:, :, 0]
         else:
             for row, (slot, start) in enumerate(zip(b.slots, b.starts, strict=True)):
                 k_buf[slot, :, start : start + q] = key_states[row]
@@ -105,12 +125,31 @@ class StepCache:
             lo = b.slots[0]
             return k_buf[lo : lo + b.rows, :, : b.kv_len], v_buf[lo : lo + b.rows, :, : b.kv_len]
         return (
-            k_buf.index_select(0, b.slot_index)[:, :, : b.kv_len],
-            v_buf.index_select(0, b.slot_index)[:, :, : b.kv_len],
+            k_buf[:, :, : b.kv_len].index_select(0, b.slot_index),
+            v_buf[:, :, : b.kv_len].index_select(0, b.slot_index),
         )
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.batch.kv_len
+
+
+def _decode_attention(query, key, value, mask, scaling):
+    """One query per row against its cache, as grouped matmuls over the cache view (CPU decode).
+
+    PyTorch's CPU flash kernel is tiled for long queries; for a single query it spends more on its tiling than
+    on the arithmetic. Query heads that share a K/V head (GQA) are stacked as that head's query rows, so the
+    cache is read once per K/V head and never repeated.
+    """
+    rows, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    q = query.reshape(rows, kv_heads, heads // kv_heads, dim)
+    scale = dim**-0.5 if scaling is None else scaling
+    scores = torch.matmul(q, key.transpose(-1, -2)).mul_(scale)
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, value)  # [rows, kv_heads, group, v_dim]
+    return out.reshape(rows, 1, heads, value.shape[-1])
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -124,10 +163,11 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
             query, key, value, attn_mask=attention_mask, is_causal=causal, scale=scaling, enable_gqa=gqa
         )
         return out.transpose(1, 2).contiguous(), None
-    mask = step.mask
-    if step.q_len == 1 and step._uniform_start:
-        mask = None  # every row sees exactly its whole cache: no mask needed
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    if step.decode and query.device.type == "cpu" and query.shape[1] % key.shape[1] == 0:
+        return _decode_attention(query, key, value, step.mask, scaling), None
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=step.mask, scale=scaling, enable_gqa=gqa
+    )
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from tidal.model_config import ModelConfig
+from tidal.rollout.embedded.fused import fuse_projections
 from tidal.rollout.embedded.kv_cache import ATTENTION_NAME, register_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -23,8 +24,11 @@ _EXPERT = re.compile(
 )
 
 
-def build_model(model: ModelConfig, *, seed: int, device: str, dtype: str):
-    """The causal LM for ``model``: loaded from ``model.path`` if set, else randomly initialised with ``seed``."""
+def build_model(model: ModelConfig, *, seed: int, device: str, dtype: str, fuse: bool = True):
+    """The causal LM for ``model``: loaded from ``model.path`` if set, else randomly initialised with ``seed``.
+
+    With ``fuse``, Q/K/V and gate/up projections run as one matmul each (see ``fused.py``).
+    """
     from transformers import AutoModelForCausalLM
 
     register_attention()
@@ -42,7 +46,10 @@ def build_model(model: ModelConfig, *, seed: int, device: str, dtype: str):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             lm = AutoModelForCausalLM.from_config(hf_config, dtype=torch_dtype)
-    return lm.to(device).eval().requires_grad_(False)
+    lm = lm.to(device).eval().requires_grad_(False)
+    if fuse:
+        fuse_projections(lm)  # after .to(): the fused matrices are plain tensors that .to() would not move
+    return lm
 
 
 class WeightLoadError(ValueError):

@@ -40,7 +40,9 @@ class EmbeddedEngine:
     def __init__(self, model: ModelConfig, engine: EmbeddedEngineConfig, *, seed: int):
         self.model_config = model.resolved()
         self.config = engine
-        self.lm = build_model(model, seed=seed, device=engine.device, dtype=engine.dtype)
+        self.lm = build_model(
+            model, seed=seed, device=engine.device, dtype=engine.dtype, fuse=engine.fuse_projections
+        )
         self.vocab_size = self.lm.config.vocab_size
         eos = self.lm.config.eos_token_id
         self.eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))

@@ -104,3 +104,39 @@ def test_parse_version():
     assert parse_version("v0.4.10.post2") == (0, 4, 10)
     assert parse_version("0.5.23") >= (0, 5, 23) > parse_version("0.5.9")
     assert parse_version("dev") is None
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_fused_projections_match_unfused_model_and_see_every_weight_load(family):
+    extra = dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16)
+    cfg = ModelConfig(
+        family=family,
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        **(extra if family == "qwen3_moe" else {}),
+    )
+    fused = build_model(cfg, seed=0, device="cpu", dtype="float32")
+    plain = build_model(cfg, seed=0, device="cpu", dtype="float32", fuse=False)
+    attn, mlp = fused.model.layers[0].self_attn, fused.model.layers[0].mlp
+    assert type(attn).__name__.startswith("Fused")
+    # Qwen3-MoE's layers are all expert layers here (their experts are fused by transformers already)
+    assert type(mlp).__name__.startswith("Fused") == (family == "qwen3")
+    assert fused.state_dict().keys() == plain.state_dict().keys()
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        assert torch.allclose(fused(ids).logits, plain(ids).logits, atol=1e-5, rtol=0)
+        # a named update lands in the fused matrices (they share storage with the named weights)
+        update = [("model.layers.0.self_attn.k_proj.weight", torch.randn(16, 32))]
+        if family == "qwen3":
+            update.append(("model.layers.0.mlp.up_proj.weight", torch.randn(48, 32)))
+        NamedTensorLoader(fused).load(update)
+        NamedTensorLoader(plain).load(update)
+        assert torch.equal(attn.qkv_weight[32:48], update[0][1])
+        if family == "qwen3":
+            assert torch.equal(mlp.gate_up_weight[48:], update[1][1])
+        assert torch.allclose(fused(ids).logits, plain(ids).logits, atol=1e-5, rtol=0)

@@ -1,0 +1,86 @@
+"""Fused projections: one matmul for Q/K/V and one for gate/up, built once from the loaded weights.
+
+The fused matrix is the storage and the model's own ``q_proj``/``k_proj``/``v_proj`` (``gate_proj``/``up_proj``)
+weights become views into it, so every later weight load (by name through ``NamedTensorLoader``'s ``copy_``,
+or ``load_state_dict``) writes the fused matrix as well: nothing is re-fused and nothing can go stale. The
+parameter names and the state dict are unchanged. Modules keep their class's behaviour; only ``forward`` of a
+swapped-in subclass reads the fused weight.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tidal.rollout.embedded.kv_cache import paged_attention
+
+# transformers' classes whose forward is exactly "project Q/K/V (+ per-head norm), rotate, attend, project"
+_ATTENTION = {"Qwen3Attention", "Qwen3MoeAttention"}
+# ... and "down(act(gate(x)) * up(x))"
+_MLP = {"Qwen3MLP", "Qwen3MoeMLP", "DeepseekV3MLP"}
+_SUBCLASSES: dict[tuple[type, str], type] = {}
+
+
+def fuse_projections(lm: nn.Module) -> int:
+    """Fuse every supported attention and MLP block of ``lm`` in place; returns how many were fused."""
+    fused = 0
+    for module in lm.modules():
+        kind = type(module).__name__
+        if kind in _ATTENTION and _bias_free(module.q_proj, module.k_proj, module.v_proj):
+            module.qkv_weight, module.qkv_sizes = _fuse(module.q_proj, module.k_proj, module.v_proj)
+            module.__class__ = _subclass(type(module), "attention")
+            fused += 1
+        elif kind in _MLP and _bias_free(module.gate_proj, module.up_proj):
+            module.gate_up_weight, _ = _fuse(module.gate_proj, module.up_proj)
+            module.__class__ = _subclass(type(module), "mlp")
+            fused += 1
+    return fused
+
+
+def _bias_free(*linears: nn.Linear) -> bool:
+    return all(isinstance(lin, nn.Linear) and lin.bias is None for lin in linears)
+
+
+def _fuse(*linears: nn.Linear) -> tuple[torch.Tensor, list[int]]:
+    weight = torch.cat([lin.weight.detach() for lin in linears], dim=0)
+    sizes, offset = [], 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = nn.Parameter(weight[offset : offset + rows], requires_grad=False)
+        sizes.append(rows)
+        offset += rows
+    return weight, sizes
+
+
+def _subclass(cls: type, kind: str) -> type:
+    key = (cls, kind)
+    if key not in _SUBCLASSES:
+        forward = _fused_attention_forward if kind == "attention" else _fused_mlp_forward
+        _SUBCLASSES[key] = type(f"Fused{cls.__name__}", (cls,), {"forward": forward})
+    return _SUBCLASSES[key]
+
+
+def _fused_mlp_forward(self, x):
+    gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+    return self.down_proj(self.act_fn(gate) * up)
+
+
+def _fused_attention_forward(self, hidden_states, position_embeddings, attention_mask, **kwargs):
+    # the cache keyword is ``cache`` in newer transformers, ``past_key_values`` in older 5.x
+    cache = kwargs.pop("cache", None) or kwargs.pop("past_key_values", None)
+    input_shape = hidden_states.shape[:-1]
+    head_shape = (*input_shape, -1, self.head_dim)
+    q, k, v = F.linear(hidden_states, self.qkv_weight).split(self.qkv_sizes, dim=-1)
+    query = self.q_norm(q.view(head_shape)).transpose(1, 2)
+    key = self.k_norm(k.view(head_shape)).transpose(1, 2)
+    value = v.view(head_shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    rotate = sys.modules[type(self).__mro__[1].__module__].apply_rotary_pos_emb
+    query, key = rotate(query, key, cos, sin)
+    if cache is not None:
+        key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+    out, weights = paged_attention(self, query, key, value, attention_mask, scaling=self.scaling, **kwargs)
+    return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
