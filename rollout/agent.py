@@ -82,6 +82,7 @@ class RolloutAgent:
         self.policy_version = 0
         self.data_finished = False
         self.inflight: dict[str, _InFlight] = {}
+        self.unfinished_samples = 0  # samples leased and not yet generated and scored
         self.stop_requested = asyncio.Event()
         self._hurry = asyncio.Event()  # a second signal: skip the drain
         self._changed = asyncio.Event()
@@ -102,6 +103,18 @@ class RolloutAgent:
         if self.agent_cfg.max_inflight_groups is not None:
             return self.agent_cfg.max_inflight_groups
         return math.ceil(self.pool.capacity / max(1, self._group_size)) + 1
+
+    def free_groups(self) -> int:
+        """Groups to lease now.
+
+        By default the node leases by free sample slots: a group keeps its place until its slowest sample
+        ends, so a fixed group cap leaves engine slots idle behind long tails. With
+        ``rollout.agent.max_inflight_groups`` set, that fixed cap applies instead.
+        """
+        if self.agent_cfg.max_inflight_groups is not None:
+            return self.agent_cfg.max_inflight_groups - len(self.inflight)
+        free_slots = self.pool.capacity - self.unfinished_samples
+        return math.ceil(free_slots / max(1, self._group_size)) if free_slots > 0 else 0
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -176,7 +189,7 @@ class RolloutAgent:
             if self.data_finished and not self.inflight:
                 log.info("the broker has no more prompts; stopping")
                 return
-            free = self.max_inflight_groups - len(self.inflight)
+            free = self.free_groups()
             if free <= 0 or self.data_finished:
                 await self._wait_change(None)
                 continue
@@ -192,6 +205,7 @@ class RolloutAgent:
             self.stats.leases += 1
             for pg in lease.groups:
                 self._group_size = pg.n
+                self.unfinished_samples += pg.n
                 t = asyncio.create_task(self._run_group(lease.lease_id, pg), name=f"group {pg.group_id}")
                 self._group_tasks.add(t)
                 t.add_done_callback(self._group_tasks.discard)
@@ -286,7 +300,12 @@ class RolloutAgent:
             log.warning("release of %s failed (the lease will expire instead): %s", group_ids, exc)
 
     async def _sample_group(self, pg: PromptGroup) -> Group:
-        prompt_ids = self.task.prompt_ids(pg.row)
+        try:
+            prompt_ids = self.task.prompt_ids(pg.row)
+        except BaseException:
+            self.unfinished_samples -= pg.n  # none of its samples will start
+            self._changed.set()
+            raise
         jobs = [asyncio.create_task(self._sample(pg.row, prompt_ids)) for _ in range(pg.n)]
         try:
             samples = await asyncio.gather(*jobs)
@@ -303,6 +322,13 @@ class RolloutAgent:
         )
 
     async def _sample(self, row: PromptRow, prompt_ids: list[int]) -> Sample:
+        try:
+            return await self._generate_and_score(row, prompt_ids)
+        finally:
+            self.unfinished_samples -= 1
+            self._changed.set()
+
+    async def _generate_and_score(self, row: PromptRow, prompt_ids: list[int]) -> Sample:
         partial = await generate(
             self.pool,
             prompt_ids,
