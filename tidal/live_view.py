@@ -100,8 +100,10 @@ class LiveView:
         m = self.last
         return (
             f"step {m.get('step', 0)}/{self.total_steps} reward {_fmt(m.get('reward/mean'))} "
-            f"acc {_fmt(m.get('reward/accuracy'))} staleness {_fmt(m.get('staleness/mean'), '.2f')} "
-            f"samples/s {_fmt(m.get('throughput/samples_per_s'), '.1f')} sync {_fmt(m.get('time/weight_sync_s'), '.2f')}s"
+            f"solved {_fmt(m.get('reward/solved', m.get('reward/mean')))} "
+            f"staleness {_fmt(m.get('offpolicy/staleness_mean'), '.2f')} "
+            f"samples/s {_fmt(m.get('throughput/wall_samples_per_s'), '.1f')} "
+            f"sync {_fmt(m.get('time/weight_sync_s'), '.2f')}s"
         )
 
     def render(self) -> RichGroup:

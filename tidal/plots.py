@@ -40,7 +40,7 @@ def write_plots(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
     written = []
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for key, label in (("reward/mean", "reward"), ("reward/accuracy", "accuracy")):
+    for key, label in (("reward/mean", "reward"), ("reward/solved", "solved (reward > 0)")):
         xs, ys = _series(records, key)
         if xs:
             ax.plot(xs, ys, label=label)
@@ -61,7 +61,7 @@ def write_plots(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
     if hist:
         ax.bar(list(hist), list(hist.values()))
     else:
-        _, ys = _series(records, "staleness/mean")
+        _, ys = _series(records, "staleness/batch")
         ax.hist(ys, bins=10)
     ax.set_xlabel("staleness (trainer version - sample version)")
     ax.set_ylabel("count")
@@ -72,7 +72,7 @@ def write_plots(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    xs, ys = _series(records, "throughput/samples_per_s")
+    xs, ys = _series(records, "throughput/wall_samples_per_s")
     if xs:
         ax.plot(xs, ys)
     ax.set_xlabel("optimizer step")

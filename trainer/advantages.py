@@ -49,6 +49,7 @@ def reward_stats(groups: Sequence[Group]) -> StepStats:
     rewards = [g.rewards for g in groups]
     flat = np.concatenate(rewards) if rewards else np.zeros(0, dtype=np.float32)
     stats.add_mean("reward/mean", float(flat.sum()), flat.size)
+    stats.add_mean("reward/solved", float((flat > 0).sum()), flat.size)
     if flat.size:
         stats.add_max("reward/max", float(flat.max()))
         stats.add_min("reward/min", float(flat.min()))

@@ -131,6 +131,7 @@ def main(config: RunConfig, args: list[str]) -> int:
         if feed is not None:
             feed.control.publish_version(progress.step)
         last_saved = progress.step
+        last_wall = time.perf_counter()
         while progress.step < tc.steps:
             batch = _broadcast(feed.get(progress.last_batch_id) if feed else None)
             if batch is None:
@@ -144,14 +145,22 @@ def main(config: RunConfig, args: list[str]) -> int:
                 items = items_from_groups(minibatch, [adv_by_group[g.group_id] for g in minibatch])
                 plan = trainer.plan(items)
                 loss_fn = make_loss("grpo", tc.loss, plan.normalizer, current_version=progress.step)
-                result = trainer.step(plan, loss_fn, with_entropy=tc.loss.entropy_coef > 0)
+                result = trainer.step(
+                    plan,
+                    loss_fn,
+                    with_entropy=tc.loss.entropy_coef > 0,
+                    temperature=_train_temperature(config),
+                )
                 progress.step += 1
                 progress.samples += len(items)
-                push.after_step(progress.step)
+                sync_s = push.after_step(progress.step)
                 if feed is not None:
                     feed.control.publish_version(progress.step)
+                now = time.perf_counter()
                 if writer is not None:
                     metrics = dict(result.stats)
+                    if sync_s is not None:
+                        metrics["time/weight_sync_s"] = sync_s
                     metrics.update(reward_stats(minibatch).summary())
                     metrics.update(
                         {
@@ -159,12 +168,14 @@ def main(config: RunConfig, args: list[str]) -> int:
                             "grad_norm": result.grad_norm,
                             "throughput/tokens_per_s": result.tokens / max(result.seconds, 1e-9),
                             "throughput/samples_per_s": len(items) / max(result.seconds, 1e-9),
+                            "throughput/wall_samples_per_s": len(items) / max(now - last_wall, 1e-9),
                             "staleness/batch": progress.step - 1 - min(g.min_version for g in minibatch),
                             "batch_id": batch.batch_id,
                             "lr": trainer.state.optimizer.param_groups[0]["lr"],
                         }
                     )
                     writer.write(progress.step, metrics)
+                last_wall = now
             progress.last_batch_id = batch.batch_id
             due = tc.checkpoint_every and progress.step - last_saved >= tc.checkpoint_every
             if due or progress.step >= tc.steps:
@@ -187,6 +198,12 @@ def main(config: RunConfig, args: list[str]) -> int:
         trainer.close()
 
 
+def _train_temperature(config: RunConfig) -> float:
+    """The sampling temperature of the rollouts (their logprobs are of the scaled distribution)."""
+    t = config.rollout.sampling.temperature
+    return t if t > 0 else 1.0
+
+
 class _WeightPush:
     """Weight sync to the rollout engines the broker knows; the engine set is re-read every step."""
 
@@ -195,12 +212,13 @@ class _WeightPush:
         self.sync = None
         self.urls: list[str] = []
 
-    def after_step(self, step: int) -> None:
+    def after_step(self, step: int) -> float | None:
+        """Sync if due; returns the seconds it took (None when there was nothing to sync)."""
         from tidal.weights_sync.engine_api import EngineEndpoint
 
         urls = _broadcast(self.feed.engines() if self.feed else [])
         if not urls:
-            return
+            return None
         engines = [EngineEndpoint(url) for url in urls]
         if self.sync is None:
             from tidal.weights_sync.trainer_sync import TrainerWeightSync
@@ -212,9 +230,11 @@ class _WeightPush:
             self.sync.set_engines(engines)
         self.urls = urls
         started = time.perf_counter()
-        self.sync.after_step(step, step)
-        if self.trainer.rank == 0:
-            print(f"step {step}: weights to {len(engines)} engine(s) in {time.perf_counter() - started:.2f}s")
+        report = self.sync.after_step(step, step)
+        seconds = time.perf_counter() - started
+        if self.trainer.rank == 0 and report is not None:
+            print(f"step {step}: weights to {len(engines)} engine(s) in {seconds:.2f}s")
+        return seconds if report is not None else None
 
     def close(self) -> None:
         if self.sync is not None:

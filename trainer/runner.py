@@ -84,8 +84,16 @@ class TrainerRank:
             mask_truncated=mask_truncated,
         )
 
-    def step(self, plan: MinibatchPlan, loss_fn: LossFn, with_entropy: bool = False) -> StepResult:
-        return train_step(self.state, plan.micro_batches(self.dp_rank), loss_fn, with_entropy=with_entropy)
+    def step(
+        self, plan: MinibatchPlan, loss_fn: LossFn, with_entropy: bool = False, temperature: float = 1.0
+    ) -> StepResult:
+        return train_step(
+            self.state,
+            plan.micro_batches(self.dp_rank),
+            loss_fn,
+            with_entropy=with_entropy,
+            temperature=temperature,
+        )
 
     # ------------------------------------------------------------------ weights in and out
 

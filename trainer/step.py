@@ -157,8 +157,16 @@ def train_step(
     *,
     with_entropy: bool = False,
     forward_only: bool = False,
+    temperature: float = 1.0,
 ) -> StepResult:
-    """Forward-backward over ``micro_batches`` (this DP rank's), then one optimizer step."""
+    """Forward-backward over ``micro_batches`` (this DP rank's), then one optimizer step.
+
+    ``temperature`` divides the logits before log-probabilities are taken: the engines report the
+    logprobs of the temperature-scaled distribution they sampled from, and the importance ratio must
+    compare like with like.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be > 0 (greedy rollouts train at temperature 1)")
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -190,6 +198,8 @@ def train_step(
 
     def loss_func(mb: MicroBatch, output: torch.Tensor):
         logits = output.reshape(-1, output.shape[-1])  # [1, T, V/tp] -> [T, V/tp]
+        if temperature != 1.0:
+            logits = logits / temperature
         logprobs, entropy = vocab(logits, mb.labels, with_entropy)
         result = loss_fn(
             logprobs, entropy, replace(mb, cu_seqlens_padded=local_cu_seqlens(mb, cp_size)), seq_reduce
