@@ -1,4 +1,5 @@
 """Fused projections: one matmul for Q/K/V and one for gate/up, built once from the loaded weights.
+RMSNorms run as PyTorch's single ``rms_norm`` op (the same fp32 arithmetic as transformers' eight small ops).
 
 The fused matrix is the storage and the model's own ``q_proj``/``k_proj``/``v_proj`` (``gate_proj``/``up_proj``)
 weights become views into it, so every later weight load (by name through ``NamedTensorLoader``'s ``copy_``,
@@ -21,6 +22,7 @@ from tidal.rollout.embedded.kv_cache import paged_attention
 _ATTENTION = {"Qwen3Attention", "Qwen3MoeAttention"}
 # ... and "down(act(gate(x)) * up(x))"
 _MLP = {"Qwen3MLP", "Qwen3MoeMLP", "DeepseekV3MLP"}
+_NORM = {"Qwen3RMSNorm", "Qwen3MoeRMSNorm", "DeepseekV3RMSNorm"}
 _SUBCLASSES: dict[tuple[type, str], type] = {}
 
 
@@ -37,6 +39,8 @@ def fuse_projections(lm: nn.Module) -> int:
             module.gate_up_weight, _ = _fuse(module.gate_proj, module.up_proj)
             module.__class__ = _subclass(type(module), "mlp")
             fused += 1
+        elif kind in _NORM:
+            module.__class__ = _subclass(type(module), "norm")
     return fused
 
 
@@ -58,9 +62,21 @@ def _fuse(*linears: nn.Linear) -> tuple[torch.Tensor, list[int]]:
 def _subclass(cls: type, kind: str) -> type:
     key = (cls, kind)
     if key not in _SUBCLASSES:
-        forward = _fused_attention_forward if kind == "attention" else _fused_mlp_forward
+        forward = {
+            "attention": _fused_attention_forward,
+            "mlp": _fused_mlp_forward,
+            "norm": _rms_norm_forward,
+        }[kind]
         _SUBCLASSES[key] = type(f"Fused{cls.__name__}", (cls,), {"forward": forward})
     return _SUBCLASSES[key]
+
+
+def _rms_norm_forward(self, x):
+    # transformers: normalise in fp32, cast back to the input dtype, then scale by the weight
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.variance_epsilon)
+    if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+        return normed * self.weight
+    return self.weight * normed.to(x.dtype)
 
 
 def _fused_mlp_forward(self, x):

@@ -208,7 +208,10 @@ class Scheduler:
             use_cache=False,
             tidal_step=batch,
         )
-        hidden = out.last_hidden_state[torch.arange(batch.rows, device=self.device), batch.last_index]
+        if batch.decode:
+            hidden = out.last_hidden_state[:, 0]
+        else:
+            hidden = out.last_hidden_state[torch.arange(batch.rows, device=self.device), batch.last_index]
         return self.lm_head(hidden)
 
     def _prefill(self) -> None:
