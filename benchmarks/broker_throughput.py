@@ -27,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -184,18 +185,27 @@ def run_broker(
         ]
         for p in procs:
             p.start()
-        with BrokerClient(address, timeout_s=120) as trainer:
+        # The consumer is tidal's trainer feed (trainer/main.py): the next batch is fetched on a thread
+        # while the current one is consumed and reported on a second connection.
+        with (
+            BrokerClient(address, timeout_s=120) as trainer,
+            BrokerClient(address, timeout_s=120) as fetcher,
+            ThreadPoolExecutor(max_workers=1) as pool,
+        ):
             trainer.register("trainer", "bench")
             time.sleep(0.5)
             go.set()
             t0 = time.perf_counter()
-            received, after, groups_left = 0, -1, per_producer * PRODUCERS
-            while groups_left > 0:
-                batch = trainer.get_batch(after, num_groups=min(batch_groups, groups_left))
-                groups_left -= len(batch.groups)
+            groups_left = per_producer * PRODUCERS
+            sizes = [min(batch_groups, groups_left - i) for i in range(0, groups_left, batch_groups)]
+            ahead = pool.submit(fetcher.get_batch, -1, sizes[0])
+            received = 0
+            for i in range(len(sizes)):
+                batch = ahead.result()
+                if i + 1 < len(sizes):
+                    ahead = pool.submit(fetcher.get_batch, batch.batch_id, sizes[i + 1])
                 received += sum(len(g.samples) for g in batch.groups)
                 trainer.report_consumed(batch.batch_id)
-                after = batch.batch_id
             elapsed = time.perf_counter() - t0
         for p in procs:
             p.join()
