@@ -136,6 +136,12 @@ def transformer_config(
             "model.q_lora_rank must be set for family deepseek_v3: megatron-core's local MLA spec needs the "
             "query low-rank projection (DeepSeek-V3, Kimi K2 and GLM all have one)"
         )
+    if model.family == "deepseek_v3" and mesh.tp > 1 and not te_available():
+        raise ValueError(
+            "model.family=deepseek_v3 with tp>1 needs Transformer Engine: megatron-core 0.19's local MLA path "
+            "(column-parallel down-projections) does not sum the rotary key's gradient over TP, so gradients "
+            "come out wrong (measured ~1e-3 relative on CPU); use tp=1 with ep/pp/cp/dp, or a GPU with TE"
+        )
     fields = _common_fields(model) | _FAMILY_FIELDS[model.family](model)
     sequence_parallel = mesh.sequence_parallel
     if sequence_parallel is None:
@@ -189,6 +195,23 @@ class QKRMSNorm(torch.nn.RMSNorm):
         super().__init__(hidden_size, eps=eps)
 
 
+class LatentRMSNorm(torch.nn.RMSNorm):
+    """MLA's norm of the compressed query / key-value latent, which every TP rank holds in full.
+
+    With sequence parallelism the latent is scattered over the sequence: each rank's gradient is partial and
+    megatron must sum it over TP. Without, every rank computes the same full gradient (the up-projections
+    all-reduce their input gradient); megatron's by-name rule would still sum ``q_layernorm`` (doubling it),
+    so the weight asks for an average instead, which leaves identical values unchanged.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **unused):
+        super().__init__(hidden_size, eps=eps)
+        if config.sequence_parallel:
+            self.weight.sequence_parallel = True
+        else:
+            self.weight.average_gradients_across_tp_domain = True
+
+
 def _local_layer_spec(spec):
     """A copy of a local layer spec with tidal's core attention and sequence-parallel-aware norms."""
     from megatron.core.transformer.identity_op import IdentityOp
@@ -201,9 +224,10 @@ def _local_layer_spec(spec):
         if getattr(spec.submodules, name) is not IdentityOp:
             setattr(spec.submodules, name, RMSNorm)
     attention = spec.submodules.self_attention.submodules
+    mla = hasattr(attention, "kv_layernorm")
     for name in ("q_layernorm", "k_layernorm", "kv_layernorm"):
         if getattr(attention, name, IdentityOp) is not IdentityOp:
-            setattr(attention, name, QKRMSNorm)
+            setattr(attention, name, LatentRMSNorm if mla else QKRMSNorm)
     return spec
 
 

@@ -35,13 +35,18 @@ TWO_PROCESS_CASES = {
     "ep2_alltoall": ("qwen3_moe", "ep=2,dispatcher=alltoall,deterministic=1"),
     "ep2_allgather": ("qwen3_moe", "ep=2,dispatcher=allgather"),
     "tp2_sequence_parallel_moe": ("qwen3_moe", "tp=2"),
+    "ep2_mla_deepseek": ("deepseek_v3", "ep=2"),
 }
 FOUR_PROCESS_CASES = {
     "pp2_ep2": ("qwen3_moe", "pp=2,ep=2"),
 }
 SAVE_AFTER = 3
 REPEAT = ("qwen3_moe", "ep=2,dispatcher=alltoall,deterministic=1")
-BASELINES = {"baseline_qwen3": ("qwen3", ""), "baseline_qwen3_moe": ("qwen3_moe", "")}
+BASELINES = {
+    "baseline_qwen3": ("qwen3", ""),
+    "baseline_qwen3_moe": ("qwen3_moe", ""),
+    "baseline_deepseek_v3": ("deepseek_v3", ""),
+}
 
 
 def _launch(

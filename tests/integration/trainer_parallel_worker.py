@@ -31,6 +31,19 @@ from tidal.trainer.synthetic import make_loss, plan, synthetic_groups
 FAMILIES = {
     "qwen3": dict(family="qwen3"),
     "qwen3_moe": dict(family="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "deepseek_v3": dict(
+        family="deepseek_v3",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+    ),
 }
 
 

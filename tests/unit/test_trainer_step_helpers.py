@@ -86,3 +86,31 @@ def test_padding_adds_one_masked_filler_sequence():
     assert pad_micro_batch(mb, 9) is mb
     with pytest.raises(ValueError, match="cannot pad"):
         pad_micro_batch(mb, 3)
+
+
+def test_model_builder_refuses_meshes_it_cannot_train_correctly():
+    from tidal.model_config import ModelConfig
+    from tidal.trainer.mesh import MeshConfig
+    from tidal.trainer.models import transformer_config
+
+    mla = ModelConfig(
+        family="deepseek_v3",
+        vocab_size=64,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+    )
+    with pytest.raises(ValueError, match="deepseek_v3 with tp>1 needs Transformer Engine"):
+        transformer_config(mla, MeshConfig(tp=2))
+    with pytest.raises(ValueError, match="q_lora_rank must be set"):
+        transformer_config(mla.model_copy(update={"q_lora_rank": None}), MeshConfig())
+    with pytest.raises(ValueError, match="vocab_size=66 is not divisible by tp=4"):
+        transformer_config(ModelConfig(vocab_size=66), MeshConfig(tp=4))
