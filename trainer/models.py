@@ -184,7 +184,7 @@ class RMSNorm(torch.nn.RMSNorm):
     """
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, **unused):
-        super().__init__(hidden_size, eps=eps)
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
 
@@ -192,7 +192,7 @@ class QKRMSNorm(torch.nn.RMSNorm):
     """Per-head query/key RMSNorm (after the sequence all-gather; megatron all-reduces it by name)."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, **unused):
-        super().__init__(hidden_size, eps=eps)
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
 
 
 class LatentRMSNorm(torch.nn.RMSNorm):
@@ -205,7 +205,7 @@ class LatentRMSNorm(torch.nn.RMSNorm):
     """
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, **unused):
-        super().__init__(hidden_size, eps=eps)
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         if config.sequence_parallel:
             self.weight.sequence_parallel = True
         else:
