@@ -51,14 +51,7 @@ def test_megatron_model_on_cuda_exports_the_loaded_checkpoint_bitwise(megatron_r
     assert differ == []
 
 
-# tidal.trainer.models builds its RMSNorm modules (layer, q/k norms) with torch's default dtype, not
-# params_dtype, so a bf16 model keeps fp32 norm weights and exports them as fp32 (seen on CPU too; reported)
-NORMS_FP32 = pytest.mark.xfail(
-    strict=True, reason="RMSNorm weights are fp32 in a bf16 megatron-core model (trainer/models.py)"
-)
-
-
-@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=NORMS_FP32)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_megatron_export_keeps_the_checkpoint_dtype(megatron_runs, family, dtype):
     import torch
