@@ -86,7 +86,9 @@ def _fused_mlp_forward(self, x):
 
 def _fused_attention_forward(self, hidden_states, position_embeddings, attention_mask, **kwargs):
     # the cache keyword is ``cache`` in newer transformers, ``past_key_values`` in older 5.x
-    cache = kwargs.pop("cache", None) or kwargs.pop("past_key_values", None)
+    cache = kwargs.pop("cache", None)
+    legacy = kwargs.pop("past_key_values", None)
+    cache = legacy if cache is None else cache
     input_shape = hidden_states.shape[:-1]
     head_shape = (*input_shape, -1, self.head_dim)
     q, k, v = F.linear(hidden_states, self.qkv_weight).split(self.qkv_sizes, dim=-1)
