@@ -121,8 +121,13 @@ def transformer_config(
     deterministic: bool = False,
     moe_dispatcher: str = "alltoall",
     pipeline_dtype: torch.dtype | None = None,
+    training: bool = True,
 ):
-    """megatron-core's TransformerConfig (MLATransformerConfig for MLA) for ``model`` on ``mesh``."""
+    """megatron-core's TransformerConfig (MLATransformerConfig for MLA) for ``model`` on ``mesh``.
+
+    ``training=False`` (conversion, export, inference) allows meshes whose forward pass is exact but whose
+    gradients megatron-core computes wrongly without Transformer Engine (MLA with tp > 1).
+    """
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     model = model.resolved()
@@ -136,7 +141,7 @@ def transformer_config(
             "model.q_lora_rank must be set for family deepseek_v3: megatron-core's local MLA spec needs the "
             "query low-rank projection (DeepSeek-V3, Kimi K2 and GLM all have one)"
         )
-    if model.family == "deepseek_v3" and mesh.tp > 1 and not te_available():
+    if training and model.family == "deepseek_v3" and mesh.tp > 1 and not te_available():
         raise ValueError(
             "model.family=deepseek_v3 with tp>1 needs Transformer Engine: megatron-core 0.19's local MLA path "
             "(column-parallel down-projections) does not sum the rotary key's gradient over TP, so gradients "
