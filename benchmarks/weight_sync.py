@@ -86,7 +86,9 @@ def megatron_state(model: ModelConfig, dtype: torch.dtype, device: str) -> dict[
     return {n: torch.full(s, 0.5, dtype=dtype, device=device) for n, s in shapes.items()}
 
 
-def start_receivers(n: int, logdir: Path, threads: int):
+def start_receivers(n: int, logdir: Path, threads: int, first_gpu: int | None = None):
+    """``n`` receiver processes; with ``first_gpu``, receiver i sees only GPU first_gpu + i (NCCL refuses
+    two ranks of one group on the same GPU, so the sender keeps GPU 0)."""
     procs, urls = [], []
     for i in range(n):
         port = free_port()
@@ -99,7 +101,10 @@ def start_receivers(n: int, logdir: Path, threads: int):
             "--timeout-s",
             "600",
         ]
-        procs.append(spawn(cmd, logdir / f"receiver{i}.log", env={"OMP_NUM_THREADS": str(threads)}))
+        env = {"OMP_NUM_THREADS": str(threads)}
+        if first_gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(first_gpu + i)
+        procs.append(spawn(cmd, logdir / f"receiver{i}.log", env=env))
         urls.append(f"http://127.0.0.1:{port}")
     for proc, url in zip(procs, urls, strict=True):
         wait_for_tcp("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout_s=120, proc=proc)
@@ -224,7 +229,10 @@ def main() -> int:
 
         rank, _ = parallel.init_distributed()
     logdir = Path(args.out.parent if args.out else "runs/bench") / "weight_sync_logs"
-    procs, urls = start_receivers(args.engines, logdir, args.threads) if rank == 0 else ([], [])
+    first_gpu = None
+    if args.device.startswith("cuda") and torch.cuda.device_count() > args.engines:
+        first_gpu = max(args.tp, 1)  # the sender's ranks hold GPUs 0..tp-1
+    procs, urls = start_receivers(args.engines, logdir, args.threads, first_gpu) if rank == 0 else ([], [])
     if args.tp > 1:
         shared = [urls]
         torch.distributed.broadcast_object_list(shared, src=0)

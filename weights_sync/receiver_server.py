@@ -39,6 +39,8 @@ def build_app(timeout_s: float = 60.0) -> FastAPI:
     # plain ``def`` handlers run in the thread pool: they block in collectives without stalling the loop
     @app.post("/init_weights_update_group")
     def init_group(body: dict[str, Any]):
+        if body.get("backend", "gloo") == "nccl":
+            receiver.device = "cuda"  # NCCL moves CUDA tensors only
         try:
             receiver.init_group(
                 master_address=body["master_address"],

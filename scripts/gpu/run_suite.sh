@@ -9,7 +9,7 @@
 # Everything lands in $OUT: suite.log (all output), junit.xml (pytest), results.json (environment,
 # test outcomes, benchmark figures). Off the device, OUT defaults to out/gpu and PYTHON to python3.
 #
-# Settings (environment): STAGES ("tests bench"), BUDGET_S (total seconds, 540), PYTEST_ARGS (extra
+# Settings (environment): STAGES ("tests bench"), BENCHES (which benchmarks, default all three), BUDGET_S (total seconds, 540), PYTEST_ARGS (extra
 # pytest arguments, e.g. "-k engine"), ENGINE_BENCH_ARGS, TRAINER_BENCH_ARGS, WEIGHT_BENCH_ARGS.
 set -uo pipefail
 
@@ -21,6 +21,7 @@ SITE=${SITE:-/tmp/site}
 PKG=${PKG:-/tmp/tidal-pkg}
 WORK=${WORK:-/tmp/tidal-gpu}
 STAGES=${STAGES:-tests bench}
+BENCHES=${BENCHES:-engine_throughput trainer_throughput weight_sync}
 BUDGET_S=${BUDGET_S:-540}
 ENGINE_BENCH_ARGS=${ENGINE_BENCH_ARGS:---dtype bfloat16 --hidden 1024 --layers 16 --vocab 32768 --batch-sizes 1,64,256 --prompt-len 64 --new-tokens 128}
 TRAINER_BENCH_ARGS=${TRAINER_BENCH_ARGS:-}
@@ -101,11 +102,11 @@ run_bench() {
 
 if [[ " $STAGES " == *" bench "* ]]; then
     # shellcheck disable=SC2086  # the *_ARGS settings are lists of arguments
-    run_bench engine_throughput $ENGINE_BENCH_ARGS
+    [[ " $BENCHES " == *" engine_throughput "* ]] && run_bench engine_throughput $ENGINE_BENCH_ARGS
     # shellcheck disable=SC2086
-    run_bench trainer_throughput $TRAINER_BENCH_ARGS
+    [[ " $BENCHES " == *" trainer_throughput "* ]] && run_bench trainer_throughput $TRAINER_BENCH_ARGS
     # shellcheck disable=SC2086
-    run_bench weight_sync $WEIGHT_BENCH_ARGS
+    [[ " $BENCHES " == *" weight_sync "* ]] && run_bench weight_sync $WEIGHT_BENCH_ARGS
 fi
 
 stage "results.json"
