@@ -57,7 +57,13 @@ def test_megatron_export_keeps_the_checkpoint_dtype(megatron_runs, family, dtype
     import torch
 
     record = _record(megatron_runs, family, dtype)
-    wrong = sorted(n for n, t in record["exported"].items() if t.dtype != getattr(torch, dtype))
+
+    def expected(name: str) -> torch.dtype:
+        # DeepSeek-V3's router correction bias stays fp32 (megatron keeps the expert bias in fp32, and the
+        # published DeepSeek-V3 checkpoints store it as F32); everything else keeps the checkpoint dtype
+        return torch.float32 if name.endswith("e_score_correction_bias") else getattr(torch, dtype)
+
+    wrong = sorted(n for n, t in record["exported"].items() if t.dtype != expected(n))
     assert wrong == []
 
 
