@@ -113,5 +113,6 @@ class Task:
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            # wait: a pool shut down without waiting can leave its spawned workers orphaned
+            self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
