@@ -22,11 +22,10 @@ lognormal(median 128, sigma 1) capped at 2048. A batch is 4x the slots, so a bal
 four average generations and the longest (16x the median) spans a few steps, as when long-reasoning
 rollouts meet a large batch. A full run (sync and eta = 1, 2, 4, 40 steps each) takes about 5 minutes.
 
-A second limit is printed beside the ideal bound: a node agent keeps at most ``max_inflight_groups``
-groups in flight, and a group holds its place until its longest sample ends, so rollout cannot exceed
-``nodes * groups * G / (per-token time * E[longest of G])`` (Little's law). With the agent's default
-(``ceil(concurrency / G) + 1``) that is below the slots' capacity under long tails;
-``--max-inflight-groups`` raises it.
+By default the node agents lease by free sample slots. With ``--max-inflight-groups K`` they keep at most
+K groups in flight instead, and a second limit is printed beside the ideal bound: a group holds its place
+until its longest sample ends, so rollout cannot exceed
+``nodes * K * G / (per-token time * E[longest of G])`` (Little's law).
 
     .venv/bin/python benchmarks/async_vs_sync.py --out runs/bench/async_vs_sync.json
     .venv/bin/python benchmarks/async_vs_sync.py --max-inflight-groups 6 --out runs/bench/async_vs_sync_if6.json
@@ -40,7 +39,6 @@ import asyncio
 import itertools
 import json
 import logging
-import math
 import signal
 import statistics
 import subprocess
@@ -117,10 +115,15 @@ def capacities(cfg: BenchConfig) -> dict[str, Any]:
     cost = TrainStepCost(overhead_s=cfg.train_overhead_s, per_token_s=per_token)
     trainer = cfg.batch_samples / cost.seconds(cfg.batch_samples * tokens_per_sample)
     ideal = min(rollout, trainer)
-    # RolloutAgent.max_inflight_groups's default: enough groups to fill the slots, plus one
-    groups_in_flight = cfg.max_inflight_groups or math.ceil(cfg.concurrency / cfg.group_size) + 1
+    # a fixed group cap (--max-inflight-groups) bounds rollout below the ideal; by default the agent leases
+    # by free sample slots and has no such cap
+    groups_in_flight = cfg.max_inflight_groups
     longest_of_group = cfg.lengths.mean_max(cfg.group_size)
-    inflight = cfg.nodes * groups_in_flight * cfg.group_size / (cfg.per_token_s * longest_of_group)
+    inflight = (
+        cfg.nodes * groups_in_flight * cfg.group_size / (cfg.per_token_s * longest_of_group)
+        if groups_in_flight
+        else None
+    )
     derivation = [
         f"E[output length] = {mean_len:.1f} tokens ({cfg.lengths.describe()})",
         f"rollout capacity = slots / (per-token time * E[L]) = {cfg.slots} / ({cfg.per_token_s * 1e3:g} ms * "
@@ -131,12 +134,17 @@ def capacities(cfg: BenchConfig) -> dict[str, Any]:
         f"trainer capacity = {cfg.batch_samples} samples / step = {trainer:.1f} samples/s "
         f"(balance {cfg.balance:g} x rollout)",
         f"ideal bound = min(rollout, trainer) = {ideal:.1f} samples/s",
-        f"not part of the bound: with at most {groups_in_flight} groups in flight per node (the agent's "
-        f"max_inflight_groups), each held until its longest sample ends (E[longest of {cfg.group_size}] = "
-        f"{longest_of_group:.1f} tokens), rollout cannot exceed nodes * groups * G / (per-token time * "
-        f"E[longest]) = {cfg.nodes} * {groups_in_flight} * {cfg.group_size} / ({cfg.per_token_s * 1e3:g} ms * "
-        f"{longest_of_group:.1f}) = {inflight:.1f} samples/s (Little's law)",
     ]
+    if inflight is None:
+        derivation.append("the agent leases by free sample slots (no fixed cap on groups in flight)")
+    else:
+        derivation.append(
+            f"not part of the bound: with at most {groups_in_flight} groups in flight per node (the agent's "
+            f"max_inflight_groups), each held until its longest sample ends (E[longest of {cfg.group_size}] = "
+            f"{longest_of_group:.1f} tokens), rollout cannot exceed nodes * groups * G / (per-token time * "
+            f"E[longest]) = {cfg.nodes} * {groups_in_flight} * {cfg.group_size} / ({cfg.per_token_s * 1e3:g} ms * "
+            f"{longest_of_group:.1f}) = {inflight:.1f} samples/s (Little's law)"
+        )
     return {
         "mean_output_tokens": mean_len,
         "rollout_samples_per_s": rollout,
@@ -442,7 +450,8 @@ def table(results: list[dict], cap: dict[str, Any]) -> str:
             f"{r['mean_response_tokens']:>10.1f}"
         )
     rows.append(f"{'ideal bound':<14}{ideal:>10.1f}{ideal / sync:>8.2f}{1.0:>9.2f}{'':>51}{mean_len:>10.1f}")
-    rows.append(f"{'in-flight cap':<14}{inflight:>10.1f}{inflight / sync:>8.2f}{inflight / ideal:>9.2f}")
+    if inflight is not None:
+        rows.append(f"{'in-flight cap':<14}{inflight:>10.1f}{inflight / sync:>8.2f}{inflight / ideal:>9.2f}")
     rows.append(
         "dropped: groups the broker dropped as staler than eta; mean len: response tokens per trained sample "
         "(ideal bound's row: the distribution's mean); in-flight cap: the agent's max_inflight_groups limit"
