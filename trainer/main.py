@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from tidal.config import RunConfig
 from tidal.errors import ConfigError
+from tidal.trainer.flags import parse_flags
 
 
 @dataclass
@@ -35,21 +36,12 @@ class TrainOptions:
 
 
 def parse_options(args: list[str]) -> TrainOptions:
-    opts = TrainOptions()
-    it = iter(args)
-    for arg in it:
-        key, eq, value = arg.partition("=")
-        name = key.lstrip("-").replace("-", "_")
-        if not key.startswith("--") or name not in TrainOptions.__dataclass_fields__:
-            raise ConfigError(
-                f"tidal train: unknown argument {arg!r} (flags: --broker ADDR, --init HF_DIR, --out DIR, "
-                "--export HF_DIR, --resume auto|never)"
-            )
-        if not eq:
-            value = next(it, "")
-        if not value:
-            raise ConfigError(f"tidal train: {key} needs a value")
-        setattr(opts, name, value)
+    opts = parse_flags(
+        args,
+        TrainOptions(),
+        "tidal train",
+        "--broker ADDR, --init HF_DIR, --out DIR, --export HF_DIR, --resume auto|never",
+    )
     if opts.resume not in ("auto", "never"):
         raise ConfigError(f"tidal train: --resume={opts.resume!r}; use auto or never")
     return opts

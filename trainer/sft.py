@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from tidal.config import RunConfig
 from tidal.errors import ConfigError
+from tidal.trainer.flags import parse_flags
 
 
 @dataclass
@@ -38,25 +39,13 @@ _TYPES = {"lr": float, "steps": int, "wall_s": float}
 
 
 def parse_options(args: list[str]) -> SftOptions:
-    opts = SftOptions()
-    it = iter(args)
-    for arg in it:
-        key, eq, value = arg.partition("=")
-        name = key.lstrip("-").replace("-", "_")
-        if not key.startswith("--") or name not in SftOptions.__dataclass_fields__:
-            raise ConfigError(
-                f"tidal sft: unknown argument {arg!r} (flags: --data ROWS, --init HF_DIR, --out DIR, --lr LR, "
-                "--steps N, --wall-s SECONDS)"
-            )
-        if not eq:
-            value = next(it, "")
-        if not value:
-            raise ConfigError(f"tidal sft: {key} needs a value")
-        try:
-            setattr(opts, name, _TYPES.get(name, str)(value))
-        except ValueError:
-            raise ConfigError(f"tidal sft: {key}={value!r} is not a {_TYPES[name].__name__}") from None
-    return opts
+    return parse_flags(
+        args,
+        SftOptions(),
+        "tidal sft",
+        "--data ROWS, --init HF_DIR, --out DIR, --lr LR, --steps N, --wall-s SECONDS",
+        _TYPES,
+    )
 
 
 def load_samples(config: RunConfig, data: str | Path | None):
