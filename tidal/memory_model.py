@@ -34,6 +34,7 @@ The estimate is checked against measured peak memory through :func:`compare_with
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from pathlib import Path
 from typing import Literal
 
 from tidal.model_config import ModelConfig
-from tidal.trainer.mesh import MeshConfig
+from tidal.trainer.mesh import MeshConfig, resolve_mesh
 
 GiB = 1 << 30
 BF16 = 2
@@ -347,18 +348,8 @@ def stage_layers(mesh: MeshConfig, num_layers: int) -> list[tuple[int, ...]]:
 
 
 def parallelism(mesh: MeshConfig, world: int, num_layers: int) -> Parallelism:
-    return Parallelism(
-        world=world,
-        tp=mesh.tp,
-        pp=mesh.pp,
-        cp=mesh.cp,
-        dp=world // (mesh.tp * mesh.cp * mesh.pp),
-        ep=mesh.ep,
-        etp=mesh.etp,
-        edp=world // (mesh.etp * mesh.ep * mesh.pp),
-        vpp=mesh.vpp,
-        stage_layers=tuple(stage_layers(mesh, num_layers)),
-    )
+    layout = resolve_mesh(mesh, world)  # megatron-core's accounting, written once in trainer/mesh.py
+    return Parallelism(**dataclasses.asdict(layout), stage_layers=tuple(stage_layers(mesh, num_layers)))
 
 
 def in_flight_microbatches(p: Parallelism, rank: int) -> float:
