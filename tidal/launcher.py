@@ -128,10 +128,8 @@ def main(config: RunConfig, args: list[str]) -> int:
 
     view = LiveView(config.trainer.steps, f"tidal {config.name}{' (sync)' if opts.sync else ''}", interactive)
     sup = Supervisor(on_event=view.event)
-    stopping = {"flag": False}
 
-    def _on_signal(signum, frame):  # noqa: ARG001
-        stopping["flag"] = True
+    def _on_signal(signum, frame):  # noqa: ARG001 - SIGTERM stops the job like Ctrl-C
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _on_signal)
@@ -212,6 +210,7 @@ def control_spec(config: RunConfig, rd: RunDir, wall_s: float) -> ProcessSpec:
 def run_grpo(config: RunConfig, rd: RunDir, sup: Supervisor, view, files) -> float:
     """Broker + rollout nodes + trainer until the trainer finishes its steps; returns the wall time."""
     from tidal.broker.client import BrokerClient
+    from tidal.live_view import read_metrics
 
     port = int(config.broker.bind.rsplit(":", 1)[1])
     host = config.broker.bind.split("//", 1)[1].rsplit(":", 1)[0]
@@ -245,7 +244,7 @@ def run_grpo(config: RunConfig, rd: RunDir, sup: Supervisor, view, files) -> flo
     try:
         while True:
             done = sup.poll()
-            records, pos = read_new(rd.metrics, pos)
+            records, pos = read_metrics(rd.metrics, pos)
             stats = None
             if time.time() - last_stats > 2.0:
                 last_stats = time.time()
@@ -260,12 +259,6 @@ def run_grpo(config: RunConfig, rd: RunDir, sup: Supervisor, view, files) -> flo
     finally:
         client.close()
     return time.time() - t0
-
-
-def read_new(path: Path, pos: int):
-    from tidal.live_view import read_metrics
-
-    return read_metrics(path, pos)
 
 
 def evaluate_all(

@@ -53,18 +53,10 @@ def write_plots(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    hist: dict[int, float] = {}
-    for r in records:
-        for k, v in r.items():
-            if k.startswith("staleness/hist/"):
-                hist[int(k.rsplit("/", 1)[1])] = hist.get(int(k.rsplit("/", 1)[1]), 0) + v
-    if hist:
-        ax.bar(list(hist), list(hist.values()))
-    else:
-        _, ys = _series(records, "staleness/batch")
-        ax.hist(ys, bins=10)
-    ax.set_xlabel("staleness (trainer version - sample version)")
-    ax.set_ylabel("count")
+    _, ys = _series(records, "staleness/batch")
+    ax.hist(ys, bins=10)
+    ax.set_xlabel("staleness of a step's oldest sample (trainer version - sample version)")
+    ax.set_ylabel("optimizer steps")
     ax.set_title("staleness of trained samples")
     fig.tight_layout()
     written.append(out / "staleness.png")
