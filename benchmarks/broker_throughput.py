@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import tempfile
@@ -71,41 +72,45 @@ def raw_frame(arrays: dict[str, np.ndarray]) -> bytes:
 
 
 # ------------------------------------------------------------------------------------------- raw pyzmq
-def _zmq_producer(address: str, tokens: int, n: int, go) -> None:
+def _zmq_producer(address: str, tokens: int, n: int, go, cpu) -> None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     sock.connect(address)
     arrays = sample_arrays(tokens)
     go.wait()
+    c0 = time.process_time()
     for _ in range(n):
         sock.send(raw_frame(arrays), copy=False)
     sock.close(linger=-1)
     ctx.term()
+    cpu.put(time.process_time() - c0)
 
 
-def run_zmq(tokens: int, n: int) -> float:
+def run_zmq(tokens: int, n: int) -> tuple[float, int, dict[str, float]]:
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
-    go = mp.Event()
+    go, cpu = mp.Event(), mp.Queue()
     procs = [
-        mp.Process(target=_zmq_producer, args=(f"tcp://127.0.0.1:{port}", tokens, n // PRODUCERS, go))
+        mp.Process(target=_zmq_producer, args=(f"tcp://127.0.0.1:{port}", tokens, n // PRODUCERS, go, cpu))
         for _ in range(PRODUCERS)
     ]
     for p in procs:
         p.start()
     time.sleep(0.5)
     go.set()
-    t0 = time.perf_counter()
-    for _ in range(n // PRODUCERS * PRODUCERS):
+    t0, c0 = time.perf_counter(), time.process_time()
+    got = n // PRODUCERS * PRODUCERS
+    for _ in range(got):
         frame = pull.recv(copy=False)
         msgpack.unpackb(frame.buffer)
-    elapsed = time.perf_counter() - t0
+    elapsed, consumer = time.perf_counter() - t0, time.process_time() - c0
+    producers = sum(cpu.get() for _ in procs)
     for p in procs:
         p.join()
     pull.close(0)
     ctx.term()
-    return elapsed
+    return elapsed, got, {"producers": producers, "consumer": consumer}
 
 
 # ---------------------------------------------------------------------------------------------- broker
@@ -124,7 +129,7 @@ def _group(group_id: str, arrays: dict[str, np.ndarray], group_size: int) -> Gro
 
 
 def _broker_producer(
-    address: str, tokens: int, groups: int, group_size: int, per_lease: int, in_flight: int, go
+    address: str, tokens: int, groups: int, group_size: int, per_lease: int, in_flight: int, go, cpu
 ) -> None:
     arrays = sample_arrays(tokens)
 
@@ -143,10 +148,12 @@ def _broker_producer(
         client = AsyncBrokerClient(address, timeout_s=120)
         await client.register("rollout", "bench")
         go.wait()
+        c0 = time.process_time()
         # several submissions in flight per producer, as a node agent with several engines has
         shares = [groups // in_flight + (i < groups % in_flight) for i in range(in_flight)]
         await asyncio.gather(*(loop(client, share) for share in shares))
         await client.close()
+        cpu.put(time.process_time() - c0)
 
     asyncio.run(main())
 
@@ -159,7 +166,7 @@ def run_broker(
     in_flight: int,
     workdir: Path,
     extra: dict[str, Any] | None = None,
-) -> tuple[float, int]:
+) -> tuple[float, int, dict[str, float]]:
     groups_total = n // group_size
     per_producer = groups_total // PRODUCERS
     batch_groups = max(1, min(16, per_producer))
@@ -175,11 +182,11 @@ def run_broker(
         **(extra or {}),
     )
     try:
-        go = mp.Event()
+        go, cpu = mp.Event(), mp.Queue()
         procs = [
             mp.Process(
                 target=_broker_producer,
-                args=(address, tokens, per_producer, group_size, per_lease, in_flight, go),
+                args=(address, tokens, per_producer, group_size, per_lease, in_flight, go, cpu),
             )
             for _ in range(PRODUCERS)
         ]
@@ -194,8 +201,9 @@ def run_broker(
         ):
             trainer.register("trainer", "bench")
             time.sleep(0.5)
+            broker0 = _cpu_seconds(proc.pid)
             go.set()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             groups_left = per_producer * PRODUCERS
             sizes = [min(batch_groups, groups_left - i) for i in range(0, groups_left, batch_groups)]
             ahead = pool.submit(fetcher.get_batch, -1, sizes[0])
@@ -206,12 +214,20 @@ def run_broker(
                     ahead = pool.submit(fetcher.get_batch, batch.batch_id, sizes[i + 1])
                 received += sum(len(g.samples) for g in batch.groups)
                 trainer.report_consumed(batch.batch_id)
-            elapsed = time.perf_counter() - t0
+            elapsed, consumer = time.perf_counter() - t0, time.process_time() - c0
+            broker = _cpu_seconds(proc.pid) - broker0
+        producers = sum(cpu.get() for _ in procs)
         for p in procs:
             p.join()
-        return elapsed, received
+        return elapsed, received, {"producers": producers, "broker": broker, "consumer": consumer}
     finally:
         stop(proc)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a running process, all its threads (from /proc; Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # ------------------------------------------------------------------------------------------------ ray
@@ -327,10 +343,11 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.repeats):
             for method in methods:
                 n = count_for(method, tokens, args.seconds, guess)
+                cpu: dict[str, float] = {}
                 if method == "zmq":
-                    elapsed, got = run_zmq(tokens, n), n // PRODUCERS * PRODUCERS
+                    elapsed, got, cpu = run_zmq(tokens, n)
                 elif method == "broker":
-                    elapsed, got = run_broker(
+                    elapsed, got, cpu = run_broker(
                         tokens, n, args.group_size, args.per_lease, args.in_flight, workdir, extra
                     )
                 elif method == "ray_deque":
@@ -338,16 +355,21 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     elapsed, got = run_ray_queue(tokens, n, args.ray_batch), n // PRODUCERS * PRODUCERS
                 rate = got / elapsed
+                cpu_us = {k: v / got * 1e6 for k, v in cpu.items()}
                 results[tokens][method].append(
                     {
                         "samples": got,
                         "seconds": elapsed,
                         "samples_per_s": rate,
                         "mb_per_s": rate * sample_bytes(tokens) / 1e6,
+                        "cpu_us_per_sample": cpu_us,
                     }
                 )
+                shown = " ".join(f"{k} {v:.1f}" for k, v in cpu_us.items())
                 print(
-                    f"  {tokens:>6} tokens  {method:<10} rep {rep}: {rate:>10.0f} samples/s", file=sys.stderr
+                    f"  {tokens:>6} tokens  {method:<10} rep {rep}: {rate:>10.0f} samples/s"
+                    + (f"   CPU us/sample: {shown} (total {sum(cpu_us.values()):.1f})" if cpu_us else ""),
+                    file=sys.stderr,
                 )
     table = summarise(results, methods)
     print_table(table, methods)
@@ -368,13 +390,24 @@ def summarise(results: dict[int, dict[str, list[dict[str, float]]]], methods: li
     for tokens, by_method in results.items():
         row: dict[str, Any] = {}
         for m in methods:
+            runs = by_method[m]
             row[m] = {
-                "samples_per_s": statistics.median(r["samples_per_s"] for r in by_method[m]),
-                "mb_per_s": statistics.median(r["mb_per_s"] for r in by_method[m]),
+                "samples_per_s": statistics.median(r["samples_per_s"] for r in runs),
+                "mb_per_s": statistics.median(r["mb_per_s"] for r in runs),
             }
+            roles = runs[0].get("cpu_us_per_sample", {})
+            if roles:
+                row[m]["cpu_us_per_sample"] = {
+                    k: statistics.median(r["cpu_us_per_sample"][k] for r in runs) for k in roles
+                }
         for m in methods:
             if m != "broker":
                 row[f"broker_vs_{m}"] = row["broker"]["samples_per_s"] / row[m]["samples_per_s"]
+        # Runs of one repeat ran back to back under about the same load: their ratio is the steadier figure.
+        row["broker_vs_zmq_paired"] = statistics.median(
+            b["samples_per_s"] / z["samples_per_s"]
+            for b, z in zip(by_method["broker"], by_method["zmq"], strict=True)
+        )
         table[str(tokens)] = row
     return table
 
@@ -382,7 +415,7 @@ def summarise(results: dict[int, dict[str, list[dict[str, float]]]], methods: li
 def print_table(table: dict[str, Any], methods: list[str]) -> None:
     head = f"{'tokens':>7} | " + " | ".join(f"{m + ' s/s':>14} {'MB/s':>7}" for m in methods)
     ratios = [m for m in methods if m != "broker"]
-    head += " | " + " | ".join(f"{'broker/' + m:>16}" for m in ratios)
+    head += " | " + " | ".join(f"{'broker/' + m:>16}" for m in ratios) + " | broker/zmq paired"
     print(head)
     print("-" * len(head))
     for tokens, row in table.items():
@@ -390,7 +423,15 @@ def print_table(table: dict[str, Any], methods: list[str]) -> None:
             f"{row[m]['samples_per_s']:>14.0f} {row[m]['mb_per_s']:>7.0f}" for m in methods
         )
         line += " | " + " | ".join(f"{row[f'broker_vs_{m}']:>15.2f}x" for m in ratios)
+        line += f" | {row['broker_vs_zmq_paired']:>16.2f}x"
         print(line)
+    print("\nCPU microseconds per sample (medians), by process:")
+    for tokens, row in table.items():
+        for m in methods:
+            cpu = row[m].get("cpu_us_per_sample")
+            if cpu:
+                parts = "  ".join(f"{k} {v:7.1f}" for k, v in cpu.items())
+                print(f"{tokens:>7} {m:<8} {parts}  total {sum(cpu.values()):7.1f}")
 
 
 if __name__ == "__main__":

@@ -1,27 +1,27 @@
 """Binary layout of a scored group (one ZeroMQ frame) and the msgpack forms of prompts and leases.
 
-A group frame is ``u32 LE header length | msgpack header | zero padding to 8 bytes | array data``.
-The layout is columnar: each per-token array of all samples is stored concatenated, once per group, with
-each sample's lengths in the header, so that validating, summarising and decoding a group costs a few
-operations per group rather than per sample. The header is
+A group frame is ``u32 LE header length | msgpack header | zero padding to 8 bytes | data region``. The
+header is small and of fixed shape whatever the group size:
 
-    {"id": str, "meta": map, "n": int,
-     "rewards": [float] * n, "finish_reasons": [str] * n, "sample_meta": [map] * n,
-     "prompt_lens": [int] * n, "response_lens": [int] * n,
-     "arrays": {name: [dtype, count, offset]}}
+    {"id": str, "n": int, "meta": map, "arrays": {name: [dtype, count, offset]}}
 
-with offsets relative to the data region (each a multiple of 8). ``prompt_ids`` holds sum(prompt_lens)
-entries; ``response_ids``, ``logprobs``, ``versions`` and the optional ``loss_mask`` hold
-sum(response_lens). Arrays are little-endian; decoding returns numpy views into the frame's buffer (no
-copy), so the broker can journal and forward the frame as it came.
+with offsets relative to the data region (each a multiple of 8). Everything per sample lives in the data
+region as arrays, so that checking a frame costs a few operations per group, never per sample:
+
+- ``rewards`` (<f8, n), ``prompt_lens`` and ``response_lens`` (<i4, n): the samples' rewards and lengths;
+- ``sample_info`` (|u1): msgpack ``[finish_reasons, sample_metas]``, opaque to the broker (only the
+  trainer's decoder reads it);
+- ``prompt_ids`` (sum(prompt_lens) entries), ``response_ids``, ``logprobs``, ``versions`` and the optional
+  ``loss_mask`` (sum(response_lens) each): each the concatenation over the group's samples (columnar).
+
+Arrays are little-endian; decoding returns numpy views into the frame's buffer (no copy), so the broker
+can journal and forward the frame as it came.
 """
 
 from __future__ import annotations
 
-import math
 import struct
 from dataclasses import dataclass
-from itertools import accumulate
 from typing import Any
 
 import msgpack
@@ -36,8 +36,13 @@ ALLOWED_DTYPES = {"<i4", "<i8", "<f4", "<f8", "<f2", "|u1", "|i1", "<i2", "<u2",
 _DTYPES = {d: np.dtype(d) for d in ALLOWED_DTYPES}
 PROMPT_ARRAYS = ("prompt_ids",)
 RESPONSE_ARRAYS = ("response_ids", "logprobs", "versions", "loss_mask")
-REQUIRED_ARRAYS = ("prompt_ids", "response_ids", "logprobs", "versions")
-_PER_SAMPLE = ("rewards", "finish_reasons", "sample_meta", "prompt_lens", "response_lens")
+TOKEN_ARRAYS = ("prompt_ids", "response_ids", "logprobs", "versions")
+# Per-sample columns and the opaque metadata blob: fixed dtypes, required.
+SAMPLE_COLUMNS = {"rewards": "<f8", "prompt_lens": "<i4", "response_lens": "<i4"}
+SAMPLE_INFO = "sample_info"
+REQUIRED_ARRAYS = (*SAMPLE_COLUMNS, SAMPLE_INFO, *TOKEN_ARRAYS)
+_KNOWN = (*REQUIRED_ARRAYS, "loss_mask")
+_ZEROS = bytes(ALIGN)
 
 
 @dataclass
@@ -62,12 +67,23 @@ def _flat(a: Any, name: str) -> np.ndarray:
     return a
 
 
-def encode_group(group: Group) -> bytearray:
-    """One frame holding the whole group; each array is copied once, straight into the frame."""
+def _little(dt: np.dtype) -> np.dtype:
+    return dt.newbyteorder("<") if dt.byteorder == ">" else dt
+
+
+def encode_group(group: Group) -> np.ndarray:
+    """One frame (a uint8 array) holding the whole group; each array is copied once, into the frame."""
     ss = group.samples
-    columns: dict[str, list[np.ndarray]] = {
-        name: [_flat(getattr(s, name), name) for s in ss] for name in REQUIRED_ARRAYS
+    columns: dict[str, Any] = {
+        "rewards": np.array([s.reward for s in ss], np.float64),
+        "prompt_lens": np.array([len(s.prompt_ids) for s in ss], np.int32),
+        "response_lens": np.array([len(s.response_ids) for s in ss], np.int32),
+        SAMPLE_INFO: np.frombuffer(
+            msgpack.packb([[s.finish_reason for s in ss], [s.meta for s in ss]]), np.uint8
+        ),
     }
+    for name in TOKEN_ARRAYS:
+        columns[name] = [_flat(getattr(s, name), name) for s in ss]
     if any(s.loss_mask is not None for s in ss):
         columns["loss_mask"] = [
             _flat(s.loss_mask, "loss_mask")
@@ -76,100 +92,31 @@ def encode_group(group: Group) -> bytearray:
             for s in ss
         ]
     specs, offset = {}, 0
-    for name, parts in columns.items():
-        dt = np.result_type(*parts) if parts else np.dtype(np.int32)
-        dt = dt.newbyteorder("<") if dt.byteorder == ">" else dt
-        count = sum(len(p) for p in parts)
+    for name, col in columns.items():
+        if isinstance(col, np.ndarray):
+            dt, count = col.dtype, len(col)
+        else:
+            dt = _little(np.result_type(*col)) if col else np.dtype(np.int32)
+            count = sum(len(p) for p in col)
         specs[name] = [dt.str, count, offset]
         offset += count * dt.itemsize
         offset += _pad(offset)
-    header = msgpack.packb(
-        {
-            "id": group.group_id,
-            "meta": group.meta,
-            "n": len(ss),
-            "rewards": [float(s.reward) for s in ss],
-            "finish_reasons": [s.finish_reason for s in ss],
-            "sample_meta": [s.meta for s in ss],
-            "prompt_lens": [len(p) for p in columns["prompt_ids"]],
-            "response_lens": [len(p) for p in columns["response_ids"]],
-            "arrays": specs,
-        }
-    )
+    header = msgpack.packb({"id": group.group_id, "n": len(ss), "meta": group.meta, "arrays": specs})
     start = _HEADER_LEN.size + len(header)
     start += _pad(start)
-    out = bytearray(start + offset)
+    out = np.empty(start + offset, np.uint8)
     _HEADER_LEN.pack_into(out, 0, len(header))
-    out[_HEADER_LEN.size : _HEADER_LEN.size + len(header)] = header
-    for name, parts in columns.items():
+    out[_HEADER_LEN.size : _HEADER_LEN.size + len(header)] = np.frombuffer(header, np.uint8)
+    out[_HEADER_LEN.size + len(header) : start] = 0
+    for name, col in columns.items():
         dtype, count, off = specs[name]
-        dst = np.frombuffer(out, dtype=dtype, count=count, offset=start + off)
-        if parts and count:
-            np.concatenate(parts, out=dst, casting="same_kind")
-    return out
-
-
-def _header(buf: memoryview) -> tuple[dict[str, Any], int]:
-    if len(buf) < _HEADER_LEN.size:
-        raise ProtocolError(BAD_GROUP, f"group frame of {len(buf)} bytes is shorter than its header length")
-    (hlen,) = _HEADER_LEN.unpack_from(buf, 0)
-    if _HEADER_LEN.size + hlen > len(buf):
-        raise ProtocolError(BAD_GROUP, f"group header length {hlen} runs past the frame ({len(buf)} bytes)")
-    try:
-        header = msgpack.unpackb(buf[_HEADER_LEN.size : _HEADER_LEN.size + hlen], raw=False)
-    except Exception as exc:
-        raise ProtocolError(BAD_GROUP, f"group header is not msgpack: {exc}") from None
-    if not isinstance(header, dict) or not isinstance(header.get("id"), str):
-        raise ProtocolError(BAD_GROUP, "group header must be a map with a string 'id'")
-    gid, n = header["id"], header.get("n")
-    if type(n) is not int or n < 1:
-        raise ProtocolError(BAD_GROUP, f"group {gid!r}: 'n' must be a positive integer, got {n!r}")
-    for key in _PER_SAMPLE:
-        if not isinstance(header.get(key), list) or len(header[key]) != n:
-            raise ProtocolError(BAD_GROUP, f"group {gid!r}: {key!r} must be a list of n={n} entries")
-    for key in ("prompt_lens", "response_lens"):
-        if not all(type(x) is int and x >= 0 for x in header[key]):
-            raise ProtocolError(BAD_GROUP, f"group {gid!r}: {key!r} must hold non-negative integers")
-    if not all(type(r) in (int, float) and math.isfinite(r) for r in header["rewards"]):
-        raise ProtocolError(BAD_GROUP, f"group {gid!r}: rewards must be finite numbers")
-    if not isinstance(header.get("arrays"), dict):
-        raise ProtocolError(BAD_GROUP, f"group {gid!r}: 'arrays' must be a map")
-    start = _HEADER_LEN.size + hlen
-    return header, start + _pad(start)
-
-
-def _specs(buf_len: int, data_start: int, header: dict[str, Any]) -> dict[str, tuple[np.dtype, int, int]]:
-    """Validate the array table against the frame and the lengths; returns name -> (dtype, count, begin)."""
-    gid = header["id"]
-    want = {"prompt_ids": sum(header["prompt_lens"])}
-    want.update(dict.fromkeys(RESPONSE_ARRAYS, sum(header["response_lens"])))
-    out = {}
-    for name, spec in header["arrays"].items():
-        where = f"group {gid!r} array {name!r}"
-        if name not in want:
-            raise ProtocolError(BAD_GROUP, f"{where}: unknown array; known: {', '.join(want)}")
-        if not (isinstance(spec, list) and len(spec) == 3):
-            raise ProtocolError(BAD_GROUP, f"{where}: spec must be [dtype, count, offset]")
-        dtype, count, offset = spec
-        if dtype not in ALLOWED_DTYPES:
-            raise ProtocolError(
-                BAD_GROUP, f"{where}: dtype {dtype!r} not allowed; use one of {sorted(ALLOWED_DTYPES)}"
-            )
-        if type(count) is not int or type(offset) is not int or offset < 0:
-            raise ProtocolError(BAD_GROUP, f"{where}: count and offset must be non-negative integers")
-        if count != want[name]:
-            length = "prompt_lens" if name in PROMPT_ARRAYS else "response_lens"
-            raise ProtocolError(
-                BAD_GROUP, f"{where}: {name} has {count} entries, sum({length}) is {want[name]}"
-            )
-        dt = _DTYPES[dtype]
-        begin = data_start + offset
-        if begin + count * dt.itemsize > buf_len:
-            raise ProtocolError(BAD_GROUP, f"{where}: {count} x {dtype} runs past the frame")
-        out[name] = (dt, count, begin)
-    for name in REQUIRED_ARRAYS:
-        if name not in out:
-            raise ProtocolError(BAD_GROUP, f"group {gid!r}: array {name!r} is missing")
+        size = count * np.dtype(dtype).itemsize
+        dst = out[start + off : start + off + size].view(dtype)
+        if isinstance(col, np.ndarray):
+            dst[:] = col
+        elif col and count:
+            np.concatenate(col, out=dst, casting="same_kind")
+        out[start + off + size : start + off + size + _pad(size)] = 0  # no stray memory on the wire
     return out
 
 
@@ -177,53 +124,145 @@ def _as_buffer(frame: Any) -> memoryview:
     return memoryview(frame.buffer if hasattr(frame, "buffer") else frame).cast("B")
 
 
-def _column(buf: memoryview, spec: tuple[np.dtype, int, int]) -> np.ndarray:
-    dt, count, begin = spec
-    return np.frombuffer(buf, dtype=dt, count=count, offset=begin)
+class _Frame:
+    """A validated group frame: the header, and where each array lies (dtype, count, byte offset)."""
+
+    __slots__ = ("buf", "gid", "n", "meta", "specs")
+
+    def __init__(self, frame: Any):
+        buf = self.buf = _as_buffer(frame)
+        if len(buf) < _HEADER_LEN.size:
+            raise ProtocolError(
+                BAD_GROUP, f"group frame of {len(buf)} bytes is shorter than its header length"
+            )
+        (hlen,) = _HEADER_LEN.unpack_from(buf, 0)
+        if _HEADER_LEN.size + hlen > len(buf):
+            raise ProtocolError(
+                BAD_GROUP, f"group header length {hlen} runs past the frame ({len(buf)} bytes)"
+            )
+        try:
+            header = msgpack.unpackb(buf[_HEADER_LEN.size : _HEADER_LEN.size + hlen], raw=False)
+        except Exception as exc:
+            raise ProtocolError(BAD_GROUP, f"group header is not msgpack: {exc}") from None
+        if not isinstance(header, dict) or not isinstance(header.get("id"), str):
+            raise ProtocolError(BAD_GROUP, "group header must be a map with a string 'id'")
+        gid, n, arrays = header["id"], header.get("n"), header.get("arrays")
+        if type(n) is not int or n < 1:
+            raise ProtocolError(BAD_GROUP, f"group {gid!r}: 'n' must be a positive integer, got {n!r}")
+        if not isinstance(arrays, dict):
+            raise ProtocolError(BAD_GROUP, f"group {gid!r}: 'arrays' must be a map")
+        self.gid, self.n, self.meta = gid, n, header.get("meta")
+        start = _HEADER_LEN.size + hlen
+        self.specs = self._specs(arrays, start + _pad(start))
+        self._check_samples()
+
+    def _specs(self, arrays: dict[Any, Any], data_start: int) -> dict[str, tuple[np.dtype, int, int]]:
+        out = {}
+        for name, spec in arrays.items():
+            where = f"group {self.gid!r} array {name!r}"
+            if name not in _KNOWN:
+                raise ProtocolError(BAD_GROUP, f"{where}: unknown array; known: {', '.join(_KNOWN)}")
+            if not (isinstance(spec, list) and len(spec) == 3):
+                raise ProtocolError(BAD_GROUP, f"{where}: spec must be [dtype, count, offset]")
+            dtype, count, offset = spec
+            if dtype not in ALLOWED_DTYPES:
+                raise ProtocolError(
+                    BAD_GROUP, f"{where}: dtype {dtype!r} not allowed; use one of {sorted(ALLOWED_DTYPES)}"
+                )
+            if type(count) is not int or type(offset) is not int or count < 0 or offset < 0:
+                raise ProtocolError(BAD_GROUP, f"{where}: count and offset must be non-negative integers")
+            dt = _DTYPES[dtype]
+            begin = data_start + offset
+            if begin + count * dt.itemsize > len(self.buf):
+                raise ProtocolError(BAD_GROUP, f"{where}: {count} x {dtype} runs past the frame")
+            out[name] = (dt, count, begin)
+        for name in REQUIRED_ARRAYS:
+            if name not in out:
+                raise ProtocolError(BAD_GROUP, f"group {self.gid!r}: array {name!r} is missing")
+        for name, dtype in SAMPLE_COLUMNS.items():
+            dt, count, _ = out[name]
+            if dt.str != dtype or count != self.n:
+                raise ProtocolError(
+                    BAD_GROUP, f"group {self.gid!r}: {name!r} must be {self.n} x {dtype} (one per sample)"
+                )
+        if out[SAMPLE_INFO][0].str != "|u1":
+            raise ProtocolError(BAD_GROUP, f"group {self.gid!r}: {SAMPLE_INFO!r} must be bytes (|u1)")
+        return out
+
+    def column(self, name: str) -> np.ndarray:
+        dt, count, begin = self.specs[name]
+        return np.frombuffer(self.buf, dtype=dt, count=count, offset=begin)
+
+    def _check_samples(self) -> None:
+        p_lens, r_lens = self.column("prompt_lens"), self.column("response_lens")
+        if p_lens.min() < 0 or r_lens.min() < 0:
+            raise ProtocolError(BAD_GROUP, f"group {self.gid!r}: sample lengths must be non-negative")
+        want = {"prompt_ids": int(p_lens.sum(dtype=np.int64))}
+        want.update(dict.fromkeys(RESPONSE_ARRAYS, int(r_lens.sum(dtype=np.int64))))
+        for name, (_, count, _) in self.specs.items():
+            if name in want and count != want[name]:
+                length = "prompt_lens" if name in PROMPT_ARRAYS else "response_lens"
+                raise ProtocolError(
+                    BAD_GROUP,
+                    f"group {self.gid!r} array {name!r}: {name} has {count} entries, "
+                    f"sum({length}) is {want[name]}",
+                )
+        if not np.isfinite(self.column("rewards")).all():
+            raise ProtocolError(BAD_GROUP, f"group {self.gid!r}: rewards must be finite numbers")
 
 
 def decode_group(frame: Any) -> Group:
     """Zero-copy decode: the arrays are read-only views into ``frame``."""
-    buf = _as_buffer(frame)
-    header, data_start = _header(buf)
-    cols = {k: _column(buf, v) for k, v in _specs(len(buf), data_start, header).items()}
-    p_ends = list(accumulate(header["prompt_lens"]))
-    r_ends = list(accumulate(header["response_lens"]))
-    mask = cols.get("loss_mask")
+    f = _Frame(frame)
+    try:
+        finish_reasons, metas = msgpack.unpackb(f.column(SAMPLE_INFO), raw=False)
+        if not (len(finish_reasons) == len(metas) == f.n):
+            raise ValueError(f"{len(finish_reasons)} finish reasons and {len(metas)} metas")
+    except Exception as exc:
+        raise ProtocolError(
+            BAD_GROUP,
+            f"group {f.gid!r}: {SAMPLE_INFO} must be msgpack [finish_reasons, metas] of n={f.n}: {exc}",
+        ) from None
+    cols = {name: f.column(name) for name in f.specs if name in TOKEN_ARRAYS or name == "loss_mask"}
+    p_ends = np.cumsum(f.column("prompt_lens"), dtype=np.int64).tolist()
+    r_ends = np.cumsum(f.column("response_lens"), dtype=np.int64).tolist()
+    rewards = f.column("rewards").tolist()
+    prompt_ids, response_ids = cols["prompt_ids"], cols["response_ids"]
+    logprobs, versions, mask = cols["logprobs"], cols["versions"], cols.get("loss_mask")
     samples = []
-    for i in range(header["n"]):
-        p0, r0 = (p_ends[i - 1], r_ends[i - 1]) if i else (0, 0)
+    p0 = r0 = 0
+    for i in range(f.n):
         p1, r1 = p_ends[i], r_ends[i]
-        meta = header["sample_meta"][i]
+        meta = metas[i]
         samples.append(
             Sample(
-                prompt_ids=cols["prompt_ids"][p0:p1],
-                response_ids=cols["response_ids"][r0:r1],
-                logprobs=cols["logprobs"][r0:r1],
-                versions=cols["versions"][r0:r1],
-                reward=float(header["rewards"][i]),
-                finish_reason=str(header["finish_reasons"][i]),
+                prompt_ids=prompt_ids[p0:p1],
+                response_ids=response_ids[r0:r1],
+                logprobs=logprobs[r0:r1],
+                versions=versions[r0:r1],
+                reward=rewards[i],
+                finish_reason=str(finish_reasons[i]),
                 loss_mask=None if mask is None else mask[r0:r1],
                 meta=meta if isinstance(meta, dict) else {},
             )
         )
-    meta = header.get("meta") or {}
-    return Group(group_id=header["id"], samples=samples, meta=meta if isinstance(meta, dict) else {})
+        p0, r0 = p1, r1
+    meta = f.meta or {}
+    return Group(group_id=f.gid, samples=samples, meta=meta if isinstance(meta, dict) else {})
 
 
 def inspect_group(frame: Any) -> GroupInfo:
-    """Validate a frame as fully as :func:`decode_group` does and summarise it for the broker."""
-    buf = _as_buffer(frame)
-    header, data_start = _header(buf)
-    specs = _specs(len(buf), data_start, header)
-    versions = _column(buf, specs["versions"])
+    """Validate a frame as :func:`decode_group` does (all but the opaque per-sample metadata, which only
+    the trainer reads) and summarise it for the broker, in a few operations per group."""
+    f = _Frame(frame)
+    versions = f.column("versions")
     # A sample without response tokens has no version; such a group counts as current (version 0 floor).
     return GroupInfo(
-        group_id=header["id"],
-        num_samples=header["n"],
-        rewards=[float(r) for r in header["rewards"]],
+        group_id=f.gid,
+        num_samples=f.n,
+        rewards=f.column("rewards").tolist(),
         min_version=int(versions.min()) if versions.size else 0,
-        num_tokens=specs["response_ids"][1],
+        num_tokens=f.specs["response_ids"][1],
     )
 
 

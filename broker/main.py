@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tidal.broker.journal import Journal
 from tidal.broker.metrics import serve_metrics
+from tidal.broker.process import keep_freed_memory, tune_gc
 from tidal.broker.server import BrokerServer
 from tidal.broker.source import PromptSource, load_rows
 from tidal.broker.state import BrokerState
@@ -48,7 +49,9 @@ def build_state(config) -> BrokerState:
 
 
 async def _serve(config) -> None:
+    keep_freed_memory()
     state = build_state(config)
+    tune_gc()
     server = BrokerServer(config.broker, state)
     if config.broker.metrics_port is not None:
         serve_metrics(config.broker.metrics_port, config.broker.metrics_host, lambda: server.snapshot)

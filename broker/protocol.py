@@ -14,7 +14,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # Request types and the body fields each one requires, with their types (for validation).
 REQUESTS: dict[str, dict[str, type | tuple[type, ...]]] = {

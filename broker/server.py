@@ -3,6 +3,12 @@
 Each request is parsed and validated (:mod:`tidal.broker.protocol`), applied to :class:`BrokerState` (which
 journals before returning) and answered. A ``get_batch`` that cannot be served yet waits in a list that is
 revisited after every change and on a timer tick, which also expires leases and silent nodes.
+
+The ROUTER socket is a plain (blocking-API) socket whose file descriptor the event loop watches: each
+wake-up reads every waiting message without blocking and handles it synchronously, and replies are sent
+at once (the socket has no send limit, so sends never block). This costs far less per message than
+pyzmq's asyncio futures. Group frames are kept as the ``zmq.Frame`` objects that came in and are sent on
+by reference (libzmq counts references; nothing is copied).
 """
 
 from __future__ import annotations
@@ -35,6 +41,10 @@ _AUTH_FAILED_EVENTS = (
 )
 
 
+# Messages handled per wake-up before the loop gets a turn for its timers and the journal's callbacks.
+DRAIN_BATCH = 64
+
+
 @dataclass
 class _Waiter:
     peer: bytes
@@ -55,9 +65,9 @@ class BrokerServer:
         self.snapshot: dict[str, Any] = {}  # stats refreshed every tick, read by the Prometheus thread
         self._waiters: list[_Waiter] = []
         self._held: deque[tuple[int, list[Any]]] = deque()  # replies waiting for the journal
-        self._ctx = zmq.asyncio.Context(io_threads=config.io_threads)
+        self._ctx = zmq.asyncio.Context(io_threads=config.io_threads)  # for the ZAP and monitor sockets
         self._auth = None
-        self.sock = self._ctx.socket(zmq.ROUTER)
+        self.sock = zmq.Context.shadow(self._ctx).socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         # Frames over the limit make libzmq drop the connection before reading them into memory.
         self.sock.setsockopt(zmq.MAXMSGSIZE, config.max_frame_bytes)
@@ -65,8 +75,15 @@ class BrokerServer:
         self.sock.setsockopt(zmq.SNDHWM, 0)
         if config.curve.enabled:
             self._auth = configure_server(self._ctx, self.sock, config.curve)
-        self._monitor = self.sock.get_monitor_socket(_AUTH_FAILED_EVENTS) if config.curve.enabled else None
+        self._monitor = None
+        if config.curve.enabled:
+            address = f"inproc://tidal-broker-monitor-{id(self)}"
+            self.sock.monitor(address, _AUTH_FAILED_EVENTS)
+            self._monitor = self._ctx.socket(zmq.PAIR)
+            self._monitor.connect(address)
         self.sock.bind(config.bind)
+        self._fd = self.sock.getsockopt(zmq.FD)
+        self._drain_scheduled = False
         self.tick_s = min(0.25, config.lease_timeout_s / 4, config.node_timeout_s / 4)
 
     # ------------------------------------------------------------------ loop
@@ -77,23 +94,38 @@ class BrokerServer:
         tasks = [asyncio.create_task(self._ticker(stop))]
         if self._monitor is not None:
             tasks.append(asyncio.create_task(self._watch_auth()))
-        recv: asyncio.Future | None = None
-        stopper = asyncio.create_task(stop.wait())
+        self._loop.add_reader(self._fd, self._drain)
+        self._kick()
         try:
-            while not stop.is_set():
-                recv = recv or asyncio.ensure_future(self.sock.recv_multipart(copy=False))
-                done, _ = await asyncio.wait({recv, stopper}, return_when=asyncio.FIRST_COMPLETED)
-                if recv in done:
-                    frames, recv = recv.result(), None
-                    await self._handle(frames[0].bytes, frames[1:])
+            await stop.wait()
         finally:
-            for t in (*tasks, stopper, *([recv] if recv else [])):
+            self._loop.remove_reader(self._fd)
+            for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             if self.state.journal is not None:
                 self.state.journal.flush()
                 self._release_held(self.state.journal.durable_seq)
             self.close()
+
+    def _kick(self) -> None:
+        """Read the socket soon. ZeroMQ's descriptor signals edges only, and a send may consume the edge
+        of a message that arrived meanwhile: whoever sends outside :meth:`_drain` calls this."""
+        if not self._drain_scheduled:
+            self._drain_scheduled = True
+            self._loop.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        self._drain_scheduled = False
+        if self.sock.closed:
+            return
+        for _ in range(DRAIN_BATCH):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle(frames[0].bytes, frames[1:])
+        self._kick()  # more may be waiting: come back after the loop's other callbacks
 
     def close(self) -> None:
         if self._monitor is not None:
@@ -110,7 +142,8 @@ class BrokerServer:
         while not stop.is_set():
             now = time.time()
             self.state.expire(now)
-            await self._serve_waiters(now)
+            self._serve_waiters(now)
+            self._kick()
             self.snapshot = self.stats(now)
             await asyncio.sleep(self.tick_s)
 
@@ -123,55 +156,59 @@ class BrokerServer:
             log.warning("CURVE handshake refused: event %s from %s", event["event"], event["endpoint"])
 
     # -------------------------------------------------------------- requests
-    async def _handle(self, peer: bytes, frames: list[zmq.Frame]) -> None:
+    def _handle(self, peer: bytes, frames: list[zmq.Frame]) -> None:
         self.requests += 1
         try:
             req = proto.decode_request(frames, self.cfg.max_frame_bytes)
         except proto.ProtocolError as exc:
             rid = proto.peek_id(frames[0].buffer) if frames else None
-            await self._error(peer, rid if rid is not None else 0, exc)
+            self._error(peer, rid if rid is not None else 0, exc)
             return
         try:
-            await getattr(self, f"_on_{req.type}")(peer, req)
+            getattr(self, f"_on_{req.type}")(peer, req)
         except proto.ProtocolError as exc:
-            await self._error(peer, req.id, exc)
+            self._error(peer, req.id, exc)
         except Exception as exc:  # a bug must not take the broker down; the client learns what failed
             log.exception("request %s failed", req.type)
-            await self._error(peer, req.id, proto.ProtocolError("internal", f"{type(exc).__name__}: {exc}"))
+            self._error(peer, req.id, proto.ProtocolError("internal", f"{type(exc).__name__}: {exc}"))
 
-    async def _error(self, peer: bytes, rid: int, exc: proto.ProtocolError) -> None:
+    def _error(self, peer: bytes, rid: int, exc: proto.ProtocolError) -> None:
         self.errors[exc.code] += 1
         if exc.code in _BAD_FRAME_CODES:
             self.state.counters.bad_frames += 1
-        await self._send(peer, rid, "error", proto.error_body(exc.code, exc.message))
+        self._send(peer, rid, "error", proto.error_body(exc.code, exc.message))
 
-    async def _send(self, peer: bytes, rid: int, type_: str, body: dict[str, Any], frames=()) -> None:
+    def _send(self, peer: bytes, rid: int, type_: str, body: dict[str, Any], frames=()) -> None:
         message = [peer, proto.encode_envelope(type_, rid, body), *frames]
         journal = self.state.journal
         if journal is not None and journal.durable_seq < journal.appended_seq:
             # Acknowledge only once everything journaled before this reply is written.
             self._held.append((journal.appended_seq, message))
         else:
-            await self.sock.send_multipart(message, copy=False)
+            self.sock.send_multipart(message, copy=False)
 
     def _on_durable(self, seq: int) -> None:
         """From the journal's writer thread: hand the release of held replies to the event loop."""
         self._loop.call_soon_threadsafe(self._release_held, seq)
 
     def _release_held(self, seq: int) -> None:
+        sent = False
         while self._held and self._held[0][0] <= seq:
             self.sock.send_multipart(self._held.popleft()[1], copy=False)
+            sent = True
+        if sent:
+            self._kick()
 
-    async def _ok(self, peer: bytes, rid: int, body: dict[str, Any] | None = None) -> None:
-        await self._send(peer, rid, "ok", body or {})
+    def _ok(self, peer: bytes, rid: int, body: dict[str, Any] | None = None) -> None:
+        self._send(peer, rid, "ok", body or {})
 
-    async def _on_register(self, peer: bytes, req: proto.Request) -> None:
+    def _on_register(self, peer: bytes, req: proto.Request) -> None:
         meta = req.body.get("meta") or {}
         if not isinstance(meta, dict):
             raise proto.ProtocolError(proto.BAD_FRAME, "register: meta must be a map")
         node = self.state.register(peer, req.body["role"], req.body["name"], meta, time.time())
         log.info("node %s (%s %r) joined", node.node_id, node.role, node.name)
-        await self._ok(
+        self._ok(
             peer,
             req.id,
             {
@@ -186,21 +223,21 @@ class BrokerServer:
             },
         )
 
-    async def _on_heartbeat(self, peer: bytes, req: proto.Request) -> None:
+    def _on_heartbeat(self, peer: bytes, req: proto.Request) -> None:
         now = time.time()
         node = self.state.node_for(peer, now)
         extended = self.state.heartbeat(node, now)
-        await self._ok(
+        self._ok(
             peer,
             req.id,
             {"policy_version": self.state.version, "leases": extended, "finished": self.state.finished},
         )
 
-    async def _on_lease(self, peer: bytes, req: proto.Request) -> None:
+    def _on_lease(self, peer: bytes, req: proto.Request) -> None:
         now = time.time()
         node = self.state.node_for(peer, now)
         lease = self.state.lease(node, req.body["max_groups"], now)
-        await self._ok(
+        self._ok(
             peer,
             req.id,
             {
@@ -210,50 +247,50 @@ class BrokerServer:
             },
         )
 
-    async def _on_submit(self, peer: bytes, req: proto.Request) -> None:
+    def _on_submit(self, peer: bytes, req: proto.Request) -> None:
         now = time.time()
         node = self.state.node_for(peer, now)
-        result = self.state.submit(node, req.body["lease_id"], [f.buffer for f in req.attachments], now)
-        await self._ok(peer, req.id, result)
-        await self._serve_waiters(now)
+        result = self.state.submit(node, req.body["lease_id"], req.attachments, now)
+        self._ok(peer, req.id, result)
+        self._serve_waiters(now)
 
-    async def _on_release(self, peer: bytes, req: proto.Request) -> None:
+    def _on_release(self, peer: bytes, req: proto.Request) -> None:
         ids = req.body.get("group_ids")
         if ids is not None and not (isinstance(ids, list) and all(isinstance(g, str) for g in ids)):
             raise proto.ProtocolError(proto.BAD_FRAME, "release: group_ids must be a list of strings or nil")
         node = self.state.node_for(peer, time.time())
         n = self.state.release(node, req.body["lease_id"], ids)
-        await self._ok(peer, req.id, {"released": n})
+        self._ok(peer, req.id, {"released": n})
 
-    async def _on_leave(self, peer: bytes, req: proto.Request) -> None:
+    def _on_leave(self, peer: bytes, req: proto.Request) -> None:
         node = self.state.node_for(peer, time.time())
         self.state.leave(node)
         log.info("node %s (%s %r) left", node.node_id, node.role, node.name)
-        await self._ok(peer, req.id)
+        self._ok(peer, req.id)
 
-    async def _on_policy_version(self, peer: bytes, req: proto.Request) -> None:
+    def _on_policy_version(self, peer: bytes, req: proto.Request) -> None:
         self.state.seen(peer, time.time())
-        await self._ok(peer, req.id, {"policy_version": self.state.version})
+        self._ok(peer, req.id, {"policy_version": self.state.version})
 
-    async def _on_publish_version(self, peer: bytes, req: proto.Request) -> None:
+    def _on_publish_version(self, peer: bytes, req: proto.Request) -> None:
         now = time.time()
         self.state.seen(peer, now)
         self.state.publish_version(req.body["version"])
-        await self._ok(peer, req.id, {"policy_version": self.state.version})
-        await self._serve_waiters(now)
+        self._ok(peer, req.id, {"policy_version": self.state.version})
+        self._serve_waiters(now)
 
-    async def _on_report_consumed(self, peer: bytes, req: proto.Request) -> None:
+    def _on_report_consumed(self, peer: bytes, req: proto.Request) -> None:
         self.state.seen(peer, time.time())
         self.state.report_consumed(req.body["batch_id"])
-        await self._ok(peer, req.id, {"consumed": self.state.consumed})
+        self._ok(peer, req.id, {"consumed": self.state.consumed})
         if self.state.maybe_compact():
             log.info("journal compacted to %d bytes", self.state.journal.bytes_written)
 
-    async def _on_stats(self, peer: bytes, req: proto.Request) -> None:
+    def _on_stats(self, peer: bytes, req: proto.Request) -> None:
         self.state.seen(peer, time.time())
-        await self._ok(peer, req.id, self.stats())
+        self._ok(peer, req.id, self.stats())
 
-    async def _on_get_batch(self, peer: bytes, req: proto.Request) -> None:
+    def _on_get_batch(self, peer: bytes, req: proto.Request) -> None:
         now = time.time()
         self.state.seen(peer, now)
         num_groups, timeout_s = req.body.get("num_groups"), req.body.get("timeout_s")
@@ -263,32 +300,32 @@ class BrokerServer:
             raise proto.ProtocolError(proto.BAD_FRAME, "get_batch: timeout_s must be a number or nil")
         deadline = math.inf if timeout_s is None else now + max(0.0, float(timeout_s))
         waiter = _Waiter(peer, req.id, req.body["after"], num_groups, deadline)
-        if not await self._try_serve(waiter, now):
+        if not self._try_serve(waiter, now):
             self._waiters.append(waiter)
 
-    async def _try_serve(self, w: _Waiter, now: float) -> bool:
+    def _try_serve(self, w: _Waiter, now: float) -> bool:
         try:
             batch = self.state.get_batch(w.after, w.num_groups)
         except proto.ProtocolError as exc:
-            await self._error(w.peer, w.rid, exc)
+            self._error(w.peer, w.rid, exc)
             return True
         if batch is not None:
-            await self._send_batch(w, batch)
+            self._send_batch(w, batch)
             return True
         finished = self.state.finished and not self.state.buffer
         if finished or now >= w.deadline:
-            await self._ok(w.peer, w.rid, {"batch": None, "finished": finished})
+            self._ok(w.peer, w.rid, {"batch": None, "finished": finished})
             return True
         return False
 
-    async def _serve_waiters(self, now: float) -> None:
+    def _serve_waiters(self, now: float) -> None:
         if self._waiters:
             waiters, self._waiters = self._waiters, []
             for w in waiters:
-                if not await self._try_serve(w, now):
+                if not self._try_serve(w, now):
                     self._waiters.append(w)
 
-    async def _send_batch(self, w: _Waiter, batch: CutBatch) -> None:
+    def _send_batch(self, w: _Waiter, batch: CutBatch) -> None:
         body = {
             "batch": {
                 "batch_id": batch.batch_id,
@@ -296,7 +333,7 @@ class BrokerServer:
                 "groups": len(batch.group_ids),
             }
         }
-        await self._send(w.peer, w.rid, "ok", body, self.state.frames_of(batch))
+        self._send(w.peer, w.rid, "ok", body, self.state.frames_of(batch))
 
     # ----------------------------------------------------------------- stats
     def stats(self, now: float | None = None) -> dict[str, Any]:

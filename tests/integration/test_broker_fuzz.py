@@ -54,18 +54,21 @@ _types = hs.sampled_from(
 )
 
 
+V = proto.PROTOCOL_VERSION
+
+
 @hs.composite
 def _envelope_frames(draw):
     if draw(hs.booleans()):
         env = {
-            "v": draw(hs.sampled_from([1, 1, 1, 0, 2, "1", None])),
+            "v": draw(hs.sampled_from([V, V, V, 0, 1, V + 1, str(V), None])),
             "type": draw(_types),
             "id": draw(hs.integers(0, 2**31)),
             "body": draw(_bodies),
         }
     else:
         env = {
-            "v": 1,
+            "v": V,
             "type": "get_batch",
             "id": draw(hs.integers(0, 2**31)),
             "body": {**draw(_bodies), "timeout_s": 0},

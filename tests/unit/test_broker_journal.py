@@ -4,7 +4,9 @@ import os
 
 import pytest
 
-from tidal.broker.journal import Journal, Kind, read_records
+from tidal.broker.journal import FORMAT_VERSION, Journal, JournalFormatError, Kind, read_records
+
+FORMAT_BYTES = 9 + len(str(FORMAT_VERSION))  # the FORMAT record every journal starts with
 
 
 @pytest.mark.parametrize("direct_io", [True, False])
@@ -39,7 +41,7 @@ def test_direct_io_records_are_readable_without_close_as_after_a_kill(tmp_path):
     reopened.append(Kind.VERSION, b"more")
     reopened.close()
     assert [bytes(p) for _, p in Journal(tmp_path).open()] == [*payloads, b"more"]
-    assert j.bytes_written == sum(9 + len(p) for p in payloads)
+    assert j.bytes_written == FORMAT_BYTES + sum(9 + len(p) for p in payloads)
 
 
 def test_torn_tail_is_truncated_and_appending_continues(tmp_path):
@@ -53,7 +55,7 @@ def test_torn_tail_is_truncated_and_appending_continues(tmp_path):
         f.truncate(size - 2)  # a crash in the middle of the last write
     j2 = Journal(tmp_path, fsync="never")
     assert [bytes(p) for _, p in j2.open()] == [b"one"]
-    assert j2.truncated_bytes == size - 2 - (len(b"one") + 9)
+    assert j2.truncated_bytes == size - 2 - FORMAT_BYTES - (len(b"one") + 9)
     j2.append(Kind.VERSION, b"three")
     j2.close()
     assert [bytes(p) for _, p in Journal(tmp_path).open()] == [b"one", b"three"]
@@ -66,7 +68,7 @@ def test_corrupt_record_stops_replay_there(tmp_path):
         j.append(Kind.BATCH, p)
     j.close()
     data = bytearray(j.path.read_bytes())
-    data[9 + 4 + 9 + 1] ^= 0xFF  # flip a payload byte of the second record
+    data[FORMAT_BYTES + 9 + 4 + 9 + 1] ^= 0xFF  # flip a payload byte of the second record
     j.path.write_bytes(bytes(data))
     assert [bytes(p) for _, p in Journal(tmp_path).open()] == [b"aaaa"]
 
@@ -86,7 +88,18 @@ def test_rewrite_replaces_the_log_and_appends_go_to_the_new_file(tmp_path):
         (Kind.RESTORE, b"g1"),
         (Kind.CONSUMED, b"after"),
     ]
-    assert j.path.stat().st_size == sum(9 + n for n in (4, 2, 5))
+    assert j.path.stat().st_size == FORMAT_BYTES + sum(9 + n for n in (4, 2, 5))
+
+
+def test_a_journal_of_another_format_is_refused_saying_what_to_do(tmp_path):
+    j = Journal(tmp_path, fsync="never")
+    j.open()
+    j.append(Kind.VERSION, b"v")
+    j.close()
+    data = j.path.read_bytes()
+    j.path.write_bytes(data[FORMAT_BYTES:])  # format 1 had no FORMAT record
+    with pytest.raises(JournalFormatError, match="format 1, this broker reads format 2.*move the journal"):
+        Journal(tmp_path).open()
 
 
 @pytest.mark.parametrize("fsync", ["always", "interval"])
