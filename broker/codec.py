@@ -21,6 +21,7 @@ can journal and forward the frame as it came.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,8 +72,10 @@ def _little(dt: np.dtype) -> np.dtype:
     return dt.newbyteorder("<") if dt.byteorder == ">" else dt
 
 
-def encode_group(group: Group) -> np.ndarray:
-    """One frame (a uint8 array) holding the whole group; each array is copied once, into the frame."""
+def encode_group(group: Group, alloc: Callable[[int], np.ndarray] | None = None) -> np.ndarray:
+    """One frame (a uint8 array) holding the whole group; each array is copied once, into the frame.
+
+    ``alloc(nbytes)`` may supply the memory (a uint8 array of at least ``nbytes``), e.g. a reused buffer."""
     ss = group.samples
     columns: dict[str, Any] = {
         "rewards": np.array([s.reward for s in ss], np.float64),
@@ -104,7 +107,8 @@ def encode_group(group: Group) -> np.ndarray:
     header = msgpack.packb({"id": group.group_id, "n": len(ss), "meta": group.meta, "arrays": specs})
     start = _HEADER_LEN.size + len(header)
     start += _pad(start)
-    out = np.empty(start + offset, np.uint8)
+    total = start + offset
+    out = np.empty(total, np.uint8) if alloc is None else alloc(total)[:total]
     _HEADER_LEN.pack_into(out, 0, len(header))
     out[_HEADER_LEN.size : _HEADER_LEN.size + len(header)] = np.frombuffer(header, np.uint8)
     out[_HEADER_LEN.size + len(header) : start] = 0

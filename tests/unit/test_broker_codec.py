@@ -172,3 +172,19 @@ def test_bad_requests_are_refused_with_a_code_and_a_reason(frames, code, words):
 def test_peek_id_recovers_the_id_of_an_invalid_envelope():
     assert proto.peek_id(msgpack.packb({"v": 99, "id": 17})) == 17
     assert proto.peek_id(b"\xc1") is None
+
+
+def test_encoding_into_a_supplied_buffer_gives_the_same_frame_and_the_pool_reuses_it():
+    from tidal.broker.client import _BufferPool
+
+    g = fake_group(_pg(), response_len=300)
+    plain = encode_group(g)
+    pool = _BufferPool()
+    dirty = pool.take(len(plain))
+    dirty[:] = 0xAB  # a reused buffer holds old bytes: padding must not leak them
+    pool.give([dirty])
+    frame = encode_group(g, pool.take)
+    assert bytes(frame) == bytes(plain)
+    assert np.shares_memory(frame, dirty)
+    pool.give([frame])
+    assert np.shares_memory(encode_group(g, pool.take), dirty)  # the same memory comes back
