@@ -25,16 +25,23 @@ from pathlib import Path
 import torch
 import transformers
 
+from tidal.configio import load_yaml
 from tidal.model_config import ModelConfig
 from tidal.rollout.embedded.model import build_model
 from tidal.rollout.embedded.sampling import SamplingParams
-from tidal.rollout.embedded.scheduler import Request, Scheduler
+from tidal.rollout.embedded.scheduler import DECODE_MODES, Request, Scheduler
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a YAML run config whose `model` to use (e.g. configs/tiny.yaml, the default job's model); "
+        "--family/--hidden/--layers/--vocab are then ignored",
+    )
     p.add_argument("--family", default="qwen3", choices=["qwen3", "qwen3_moe"])
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
@@ -51,11 +58,24 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--no-fuse", action="store_true", help="engine without fused Q/K/V and gate/up matmuls")
+    p.add_argument(
+        "--decode",
+        default=None,
+        choices=list(DECODE_MODES),
+        help="the engine's decode path (default: CUDA graphs on CUDA, the lean forward on CPU)",
+    )
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     return p.parse_args()
 
 
 def model_config(a: argparse.Namespace) -> ModelConfig:
+    if a.model:
+        model = load_yaml(a.model)["model"]
+        # the rotary tables do not depend on it; the benchmark's sequences may be longer than the job's
+        model["max_position_embeddings"] = max(
+            model.get("max_position_embeddings", 0), a.prompt_len + a.new_tokens
+        )
+        return ModelConfig(**model)
     heads = max(2, a.hidden // 64)
     extra = {}
     if a.family == "qwen3_moe":
@@ -145,17 +165,24 @@ def main() -> None:
         device=a.device,
         eos_token_ids=[],
         seed=a.seed,
+        decode=a.decode,
     )
+    t_start = time.perf_counter()
     sched.start()
     gen = torch.Generator().manual_seed(a.seed)
     rows = []
     try:
         # warm-up both paths once (allocations, kernels)
-        warm = torch.randint(0, a.vocab, (2, a.prompt_len), generator=gen).to(a.device)
+        warm = torch.randint(0, cfg.vocab_size, (2, a.prompt_len), generator=gen).to(a.device)
         run_transformers(ref, warm, 4, a.device)
         run_engine(sched, warm.tolist(), [4, 4], a.device)
+        # includes the CUDA graph captures, which run on the scheduler thread before its first step
+        engine_start_s = time.perf_counter() - t_start
+        print(
+            f"engine decode path: {sched.decode_mode} ({sched.decode_reason}); ready in {engine_start_s:.1f} s"
+        )
         for b in batch_sizes:
-            prompts = torch.randint(0, a.vocab, (b, a.prompt_len), generator=gen).to(a.device)
+            prompts = torch.randint(0, cfg.vocab_size, (b, a.prompt_len), generator=gen).to(a.device)
             if a.mixed:
                 lengths = torch.randint(a.new_tokens // 8, a.new_tokens + 1, (b,), generator=gen).tolist()
             else:
@@ -211,6 +238,9 @@ def main() -> None:
         "transformers": transformers.__version__,
         "threads": torch.get_num_threads(),
         "fused_projections": not a.no_fuse,
+        "decode": sched.decode_mode,
+        "decode_reason": sched.decode_reason,
+        "engine_ready_s": round(engine_start_s, 2),
         "cpus": os.cpu_count(),
     }
     print(

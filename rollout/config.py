@@ -39,6 +39,12 @@ class EmbeddedEngineConfig(BaseModel):
     fuse_projections: bool = Field(
         True, description="run Q/K/V and gate/up as one matmul each (weights stay shared with the model's)"
     )
+    decode: Literal["auto", "lean", "cuda_graphs", "transformers"] = Field(
+        "auto",
+        description="decode step: tidal's lean forward (qwen3, qwen3_moe), as CUDA graphs per batch/length "
+        "bucket, or transformers' modules; auto: cuda_graphs on CUDA, lean on CPU, transformers for other "
+        "families (docs/engine.md)",
+    )
 
 
 class SGLangEngineConfig(BaseModel):

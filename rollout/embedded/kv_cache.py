@@ -48,16 +48,38 @@ class KVPool:
     def release(self, slot: int) -> None:
         heapq.heappush(self._free, slot)
 
+    def take(self, slot: int) -> None:
+        """Allocate this particular free slot."""
+        self._free.remove(slot)
+        heapq.heapify(self._free)
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` cached positions of slot ``src`` into slot ``dst``, every layer."""
+        for buffers in (self.keys, self.values):
+            for buf in buffers:
+                if buf is not None:
+                    buf[dst, :, :length] = buf[src, :, :length]
+
+    def preallocate(
+        self, layer: int, key_shape: tuple[int, int], value_shape: tuple[int, int], dtype: torch.dtype
+    ) -> None:
+        """Allocate a layer's buffers now (``(heads, dim)`` per position); a forward never reallocates them."""
+        k = self.keys[layer]
+        if k is not None and (k.shape[1], k.shape[3]) == key_shape and k.dtype == dtype:
+            return
+        shape = (self.num_slots, key_shape[0], self.max_seq_len)
+        self.keys[layer] = torch.zeros(*shape, key_shape[1], dtype=dtype, device=self.device)
+        self.values[layer] = torch.zeros(
+            *shape[:1], value_shape[0], shape[2], value_shape[1], dtype=dtype, device=self.device
+        )
+
     def _buffers(
         self, layer: int, key: torch.Tensor, value: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self.keys[layer], self.values[layer]
+        k = self.keys[layer]
         if k is None or k.shape[1] != key.shape[1] or k.shape[3] != key.shape[3] or k.dtype != key.dtype:
-            shape = (self.num_slots, key.shape[1], self.max_seq_len)
-            k = torch.zeros(*shape, key.shape[3], dtype=key.dtype, device=self.device)
-            v = torch.zeros(*shape, value.shape[3], dtype=value.dtype, device=self.device)
-            self.keys[layer], self.values[layer] = k, v
-        return k, v
+            self.preallocate(layer, (key.shape[1], key.shape[3]), (value.shape[1], value.shape[3]), key.dtype)
+        return self.keys[layer], self.values[layer]
 
 
 @dataclass

@@ -148,10 +148,13 @@ def sample(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next tokens and their logprobs for a ``[rows, vocab]`` float32 logits batch."""
     logits = logits.float()
-    temps = torch.tensor(
-        [1.0 if p.greedy else p.temperature for p in params], device=logits.device, dtype=logits.dtype
-    )
-    logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)
+    if all(p.greedy for p in params):
+        logprobs = torch.log_softmax(logits, dim=-1)  # what dividing by temperature 1 gives, one op less
+    else:
+        temps = torch.tensor(
+            [1.0 if p.greedy else p.temperature for p in params], device=logits.device, dtype=logits.dtype
+        )
+        logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)
     tokens = torch.argmax(logits, dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if sampled_rows:

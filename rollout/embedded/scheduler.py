@@ -25,10 +25,15 @@ from typing import Any
 
 import torch
 
+from tidal.rollout.embedded.decode_step import DecodeGraphs, EagerDecode
 from tidal.rollout.embedded.kv_cache import KVPool, StepBatch, StepCache
+from tidal.rollout.embedded.lean import LeanDecoder, unsupported_reason
 from tidal.rollout.embedded.sampling import SamplingParams, sample
 
 DEFAULT_VERSION = "default"
+# how a decode step runs: transformers' modules; the lean forward (lean.py) on the exact rows; the lean
+# forward padded to buckets (eager: how CPU tests check the CUDA-graph padding); CUDA graphs of the latter
+DECODE_MODES = ("transformers", "lean", "bucketed", "cuda_graphs")
 
 
 @dataclass(eq=False)  # identity: two requests with equal fields are still two requests
@@ -80,7 +85,10 @@ class Scheduler:
         device: str,
         eos_token_ids: list[int],
         seed: int = 0,
+        decode: str | None = None,
     ):
+        """``decode``: one of DECODE_MODES; None picks CUDA graphs on CUDA, else the lean forward, and
+        transformers' modules for models the lean forward does not cover (``decode_reason`` says why)."""
         self.lm = lm
         self.decoder = lm.get_decoder()
         # transformers renamed ``past_key_values`` to ``cache`` (5.2x); older 5.x ignores ``cache`` silently,
@@ -95,6 +103,15 @@ class Scheduler:
         self.vocab_size = lm.config.vocab_size
         self.eos_token_ids = set(eos_token_ids)
         self.pool = KVPool(lm.config.num_hidden_layers, max_batch_size, max_seq_len, self.device)
+        self.decode_mode, self.decode_reason = self._decode_mode(decode)
+        self._lean_step: EagerDecode | DecodeGraphs | None = None
+        if self.decode_mode != "transformers":
+            lean = LeanDecoder(lm, self.pool)
+            if self.decode_mode == "lean":
+                self._lean_step = EagerDecode(lean)
+            else:
+                graphs = self.decode_mode == "cuda_graphs"
+                self._lean_step = DecodeGraphs(lean, max_batch_size, max_seq_len, capture=graphs)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.paused: str | None = None
@@ -109,6 +126,24 @@ class Scheduler:
         # OpenMP's thread count is per thread: the scheduler thread takes its creator's setting
         self._num_threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._loop, name="tidal-engine-scheduler", daemon=True)
+
+    def _decode_mode(self, requested: str | None) -> tuple[str, str]:
+        if requested is not None and requested not in DECODE_MODES:
+            raise ValueError(f"decode={requested!r}: choose one of {list(DECODE_MODES)}")
+        if requested == "transformers":
+            return requested, "asked for"
+        reason = unsupported_reason(self.lm)
+        if reason is not None:
+            if requested is not None:
+                raise ValueError(f"decode={requested!r} is not available for this model: {reason}")
+            return "transformers", f"the lean forward does not cover this model: {reason}"
+        if requested == "cuda_graphs" and self.device.type != "cuda":
+            raise ValueError(f"decode='cuda_graphs' needs a CUDA device; this engine runs on {self.device}")
+        if requested is not None:
+            return requested, "asked for"
+        if self.device.type == "cuda":
+            return "cuda_graphs", "default on CUDA"
+        return "lean", "default on CPU"
 
     # ---- called from other threads ----
 
@@ -151,6 +186,13 @@ class Scheduler:
     def _loop(self) -> None:
         torch.set_num_threads(self._num_threads)
         try:
+            if isinstance(self._lean_step, DecodeGraphs):
+                with torch.inference_mode():
+                    self._lean_step.capture_all()
+                if self._lean_step.failure is not None:
+                    self.decode_mode = "lean"
+                    self.decode_reason = f"CUDA graph capture failed: {self._lean_step.failure}"
+                    self._lean_step = EagerDecode(self._lean_step.decoder)
             while True:
                 with self._cond:
                     while not self._stop and not self._has_work():
@@ -240,11 +282,33 @@ class Scheduler:
         self.running.sort(key=lambda r: r.slot)
         self._emit(chosen, logits)
 
+    def _compact(self) -> None:
+        """Keep the running requests in slots 0..n-1: move the highest ones into the holes finished ones left.
+
+        Decode then attends over a view of the pool (no gather), and the lean forward's padding rows are free.
+        """
+        n = len(self.running)
+        held = {r.slot for r in self.running}
+        holes = [s for s in range(n) if s not in held]
+        movers = sorted((r for r in self.running if r.slot >= n), key=lambda r: r.slot)
+        for req, dst in zip(movers, holes, strict=True):
+            self.pool.take(dst)
+            self.pool.move(req.slot, dst, req.cached_len)
+            self.pool.release(req.slot)
+            req.slot = dst
+        if movers:
+            self.running.sort(key=lambda r: r.slot)
+
     def _decode(self) -> None:
+        self._compact()
         reqs = self.running
-        batch = StepBatch([r.slot for r in reqs], [r.cached_len for r in reqs], [1] * len(reqs), self.device)
-        ids = torch.tensor([[r.output_ids[-1]] for r in reqs], dtype=torch.long, device=self.device)
-        logits = self._forward(batch, ids)
+        positions = [r.cached_len for r in reqs]
+        if self._lean_step is not None:
+            logits = self._lean_step([r.output_ids[-1] for r in reqs], positions)
+        else:
+            batch = StepBatch([r.slot for r in reqs], positions, [1] * len(reqs), self.device)
+            ids = torch.tensor([[r.output_ids[-1]] for r in reqs], dtype=torch.long, device=self.device)
+            logits = self._forward(batch, ids)
         for r in reqs:
             r.cached_len += 1
         self._emit(reqs, logits)
@@ -334,6 +398,8 @@ class Scheduler:
             "paused": self.paused,
             "steps": self.steps,
             "free_slots": self.pool.free_slots,
+            "decode": self.decode_mode,
+            "decode_reason": self.decode_reason,
         }
 
 

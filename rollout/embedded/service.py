@@ -57,6 +57,7 @@ class EmbeddedEngine:
             device=engine.device,
             eos_token_ids=self.eos_token_ids,
             seed=seed,
+            decode=None if engine.decode == "auto" else engine.decode,
         )
         self.model_path = model.path or f"random-init:{self.model_config.family}:seed={seed}"
         self.served_model_name = engine.served_model_name or self.model_path
