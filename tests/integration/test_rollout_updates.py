@@ -29,7 +29,9 @@ from tidal.rollout.tasks import build_task
 from tidal.rollout.tasks.arithmetic import make_records
 from tidal.rollout.tasks.char_tokenizer import save_char_tokenizer
 
-MAX_NEW_TOKENS = 64  # long enough that the pause lands mid-generation even on a fast machine
+# long enough that the pause lands mid-generation even on a fast machine (the lean decode runs these
+# 2-row steps of the tiny model in well under a millisecond)
+MAX_NEW_TOKENS = 400
 PROMPT = [1, 4, 11, 14, 8, 9, 17]  # "<bos>07+45=" in the arithmetic tokenizer
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
 
@@ -40,8 +42,8 @@ def _config(tmp_path) -> RunConfig:
         "configs/tiny.yaml",
         [
             f"run_dir={tmp_path}",
-            "model.max_position_embeddings=96",
-            "rollout.engine.max_seq_len=96",
+            "model.max_position_embeddings=512",
+            "rollout.engine.max_seq_len=512",
             "rollout.engine.max_batch_size=8",
             "rollout.agent.engine_start_timeout_s=120",
             "rollout.agent.request_timeout_s=120",
