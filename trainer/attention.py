@@ -123,23 +123,44 @@ class PackedCoreAttention(MegatronModule):
         return self._forward_thd(query, key, value, packed_seq_params)
 
     def _per_sequence(self, query, key, value, cu: torch.Tensor) -> torch.Tensor:
-        """Causal attention within each packed sequence: sum of L_i^2 work, not (sum L_i)^2."""
+        """Causal attention within each packed sequence: sum of L_i^2 work, not (sum L_i)^2.
+
+        Sequences of equal length go through one batched SDPA call, so a batch of many short answers
+        (few distinct lengths) costs a few kernel calls instead of one per sequence.
+        """
         lengths = (cu[1:] - cu[:-1]).tolist()
         if sum(lengths) != query.shape[0]:
             raise ValueError(
                 f"cu_seqlens cover {sum(lengths)} tokens but the packed batch has {query.shape[0]}"
             )
-        outs = []
         scale = self._scale(query.shape[-1])
         dropout = self.dropout if self.training else 0.0
-        for q, k, v in zip(query.split(lengths), key.split(lengths), value.split(lengths), strict=True):
-            q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, L, d]
-            k, v = self._expand_groups(q, k, v, head_dim=0)
+        starts = cu[:-1].to(torch.long)
+        by_length: dict[int, list[int]] = {}
+        for i, length in enumerate(lengths):
+            if length:
+                by_length.setdefault(length, []).append(i)
+        token_order, outs = [], []
+        for length, seqs in by_length.items():
+            first = starts[torch.tensor(seqs)]
+            index = (first[:, None] + torch.arange(length)[None, :]).reshape(-1).to(query.device)
+            q, k, v = (
+                x.index_select(0, index).unflatten(0, (len(seqs), length)).transpose(1, 2)
+                for x in (query, key, value)
+            )  # [n, heads, L, d]
+            k, v = self._expand_groups(q, k, v, head_dim=1)
             out = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, is_causal=True, dropout_p=dropout, scale=scale
             )
-            outs.append(out.transpose(0, 1))
-        return torch.cat(outs).reshape(query.shape[0], -1)
+            outs.append(out.transpose(1, 2).reshape(index.numel(), -1))
+            token_order.append(index)
+        out = torch.cat(outs)
+        if len(outs) == 1 and len(lengths) == 1:
+            return out
+        order = torch.cat(token_order)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return out.index_select(0, inverse)
 
     @staticmethod
     def _expand_groups(q, k, v, head_dim: int):

@@ -262,9 +262,12 @@ def build_model(
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    from tidal.trainer import rope
+
     model = model.resolved()
     if use_te is None:
         use_te = te_available()
+    rope.install()
     vpp = tconfig.virtual_pipeline_model_parallel_size or 1
     chunks = []
     for stage in range(vpp):
