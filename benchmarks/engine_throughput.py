@@ -64,6 +64,12 @@ def parse_args() -> argparse.Namespace:
         choices=list(DECODE_MODES),
         help="the engine's decode path (default: CUDA graphs on CUDA, the lean forward on CPU)",
     )
+    p.add_argument(
+        "--peak-gbs",
+        type=float,
+        default=4800.0,
+        help="memory bandwidth (GB/s) for the bandwidth bound reported on CUDA (default: H200's 4.8 TB/s)",
+    )
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     return p.parse_args()
 
@@ -92,6 +98,17 @@ def model_config(a: argparse.Namespace) -> ModelConfig:
         max_position_embeddings=max(2048, a.prompt_len + a.new_tokens),
         **extra,
     )
+
+
+def bandwidth_bound_tok_s(lm, batch: int, prompt_len: int, new_tokens: int, peak_gbs: float) -> float:
+    """Decode tokens/s if each step only read the weights once and the rows' KV (mean context) at peak_gbs."""
+    embed, head = lm.get_input_embeddings().weight, lm.get_output_embeddings().weight
+    weights = sum(p.nbytes for p in lm.parameters()) - (0 if embed is head else embed.nbytes)
+    c = lm.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_per_token = 2 * c.num_key_value_heads * head_dim * head.element_size() * c.num_hidden_layers
+    step_bytes = weights + batch * (prompt_len + new_tokens / 2) * kv_per_token
+    return batch / (step_bytes / (peak_gbs * 1e9))
 
 
 def sync(device: str) -> None:
@@ -217,11 +234,20 @@ def main() -> None:
                     "load_average": [round(x, 2) for x in os.getloadavg()],
                 }
             )
+            if a.device == "cuda":
+                bound = bandwidth_bound_tok_s(lm, b, a.prompt_len, a.new_tokens, a.peak_gbs)
+                rows[-1]["bandwidth_bound_tok_s"] = round(bound, 1)
+                rows[-1]["engine_fraction_of_bound"] = round(eng_tps / bound, 3)
             r = rows[-1]
             print(
                 f"batch {b:>3}: transformers {r['transformers_tok_s']:>9.1f} tok/s | engine {r['engine_tok_s']:>9.1f} "
                 f"tok/s | x{r['speedup']:.2f} (CPU time x{r['speedup_cpu_time']:.2f}) | identical outputs {same:.0%} "
-                f"| load {r['load_average'][0]}",
+                f"| load {r['load_average'][0]}"
+                + (
+                    f" | {r['engine_fraction_of_bound']:.1%} of the bandwidth bound ({r['bandwidth_bound_tok_s']:.0f} tok/s)"
+                    if "bandwidth_bound_tok_s" in r
+                    else ""
+                ),
                 flush=True,
             )
     finally:
@@ -241,6 +267,7 @@ def main() -> None:
         "decode": sched.decode_mode,
         "decode_reason": sched.decode_reason,
         "engine_ready_s": round(engine_start_s, 2),
+        "cuda_graphs": len(getattr(sched._lean_step, "graphs", {})),
         "cpus": os.cpu_count(),
     }
     print(

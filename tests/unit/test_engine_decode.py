@@ -15,8 +15,9 @@ import torch
 import transformers
 
 from tidal.model_config import ModelConfig
-from tidal.rollout.embedded.decode_step import batch_buckets, length_buckets
+from tidal.rollout.embedded.decode_step import DecodeGraphs, EagerDecode, batch_buckets, length_buckets
 from tidal.rollout.embedded.kv_cache import KVPool
+from tidal.rollout.embedded.lean import LeanDecoder
 from tidal.rollout.embedded.model import NamedTensorLoader, build_model
 from tidal.rollout.embedded.sampling import SamplingParams
 from tidal.rollout.embedded.scheduler import Request, Scheduler
@@ -231,3 +232,15 @@ def test_buckets_cover_every_size_with_bounded_padding():
         for small, large in zip(buckets, buckets[1:], strict=False):
             assert large <= small * 3 // 2
         assert buckets[0] == min(32, max_len)
+
+
+def test_graph_capture_that_fails_is_reported_and_the_padded_step_still_runs():
+    """Without CUDA every capture fails: the failure is recorded and the step runs eagerly, still correct."""
+    lm = model("qwen3", seed=15)
+    pool = KVPool(lm.config.num_hidden_layers, num_slots=4, max_seq_len=40, device="cpu")
+    graphs = DecodeGraphs(LeanDecoder(lm, pool), max_rows=4, max_seq_len=40, capture=True)
+    graphs.capture_all()
+    assert graphs.failure is not None and not graphs.graphs
+    eager = EagerDecode(LeanDecoder(lm, KVPool(lm.config.num_hidden_layers, 4, 40, "cpu")))
+    ids, positions = [5, 9, 2], [0, 0, 0]
+    torch.testing.assert_close(graphs(ids, positions), eager(ids, positions), atol=1e-5, rtol=0)
