@@ -5,13 +5,13 @@ Each sample is ``tokens`` x (int32 id + float32 logprob + int32 version) plus ~2
 - ``zmq``: raw pyzmq PUSH/PULL, one msgpack frame per sample (the ceiling: no broker, no journal);
 - ``broker``: a ``tidal broker`` process (journal on, default fsync policy ``interval``); producers are
   rollout-node clients (lease, then submit whole groups of ``--group-size`` samples), the consumer is the
-  trainer client (``get_batch`` + ``report_consumed``); the staleness bound is set wide open so that
-  transport is what is measured;
+  trainer client (``get_batch`` of ``--batch-groups`` groups, the broker's default, + ``report_consumed``);
+  the staleness bound is set wide open so that transport is what is measured;
 - ``ray_deque``: verl's pattern, a Ray actor holding a deque, one ``put`` and one ``get`` call per sample;
 - ``ray_queue``: ``ray.util.queue.Queue`` with batched puts and gets (``--ray-batch`` samples a call).
 
 Every method runs ``--repeats`` times per size, interleaved; the table shows medians and the broker's ratio
-to each baseline. Ray is optional (``make bench-deps``); without it those columns are skipped.
+to each baseline, and the CPU time per sample of each process (producers, broker, consumer). Ray is optional (``make bench-deps``); without it those columns are skipped.
 
     .venv/bin/python benchmarks/broker_throughput.py --out runs/bench/broker_throughput.json
     .venv/bin/python benchmarks/broker_throughput.py --sizes 1024 --seconds 1 --repeats 1   # quick look
@@ -37,6 +37,7 @@ import numpy as np
 import zmq
 
 from tidal.broker.client import AsyncBrokerClient, BrokerClient
+from tidal.broker.config import BrokerConfig
 from tidal.broker.testing import start_broker
 from tidal.broker.types import Group, Sample
 from tidal.procs import free_port, stop
@@ -166,10 +167,11 @@ def run_broker(
     in_flight: int,
     workdir: Path,
     extra: dict[str, Any] | None = None,
+    batch_groups: int = BrokerConfig().batch_groups,
 ) -> tuple[float, int, dict[str, float]]:
     groups_total = n // group_size
     per_producer = groups_total // PRODUCERS
-    batch_groups = max(1, min(16, per_producer))
+    batch_groups = max(1, min(batch_groups, per_producer))
     run_dir = Path(tempfile.mkdtemp(prefix=f"broker{tokens}-", dir=workdir))
     proc, address = start_broker(
         run_dir,
@@ -313,6 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group-size", type=int, default=8, help="samples per group through the broker")
     ap.add_argument("--per-lease", type=int, default=4, help="groups a producer leases and submits at once")
     ap.add_argument("--in-flight", type=int, default=4, help="submissions in flight per broker producer")
+    ap.add_argument(
+        "--batch-groups",
+        type=int,
+        default=BrokerConfig().batch_groups,
+        help="groups per batch the consumer fetches (default: the broker's default batch_groups)",
+    )
     ap.add_argument("--ray-batch", type=int, default=64, help="samples per put/get call for ray_queue")
     ap.add_argument("--no-ray", action="store_true", help="skip the Ray baselines")
     ap.add_argument(
@@ -348,7 +356,14 @@ def main(argv: list[str] | None = None) -> int:
                     elapsed, got, cpu = run_zmq(tokens, n)
                 elif method == "broker":
                     elapsed, got, cpu = run_broker(
-                        tokens, n, args.group_size, args.per_lease, args.in_flight, workdir, extra
+                        tokens,
+                        n,
+                        args.group_size,
+                        args.per_lease,
+                        args.in_flight,
+                        workdir,
+                        extra,
+                        args.batch_groups,
                     )
                 elif method == "ray_deque":
                     elapsed, got = run_ray_deque(tokens, n), n // PRODUCERS * PRODUCERS

@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable, Iterable
 from enum import IntEnum
 from pathlib import Path
+from typing import Any
 
 from isal.isal_zlib import crc32  # zlib's CRC-32, same values, with ISA-L's carry-less multiply (~10x)
 
@@ -193,13 +194,15 @@ class Journal:
         self.appended_seq = 0  # records appended (staged or written)
         self.durable_seq = 0  # records written (and fsynced under fsync=always)
         self._writer: _BufferedWriter | _DirectWriter | None = None
-        self._staged: list[tuple[Kind, bytes | memoryview]] = []
+        # records to write, and compactions (None, records) in their place among them
+        self._staged: list[tuple[Kind | None, Any]] = []
         self._dirty = False
         self._lock = threading.Condition()  # guards _staged, the sequence numbers and _dirty
         self._io = threading.Lock()  # held while the writer is in use or replaced
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.truncated_bytes = 0
+        self.compacting = False  # a compaction is staged and not yet in place
 
     @property
     def bytes_written(self) -> int:
@@ -284,9 +287,17 @@ class Journal:
             try:
                 parts: list[bytes | memoryview] = []
                 for kind, payload in staged:
-                    parts += _record(kind, payload)
-                with self._io:
-                    self._write(parts)
+                    if kind is None:  # a compaction, in its place among the appends (see compact)
+                        if parts:
+                            with self._io:
+                                self._write(parts)
+                            parts = []
+                        self._replace(payload)
+                    else:
+                        parts += _record(kind, payload)
+                if parts:
+                    with self._io:
+                        self._write(parts)
             except Exception:
                 # Nothing may be acknowledged unjournaled: stop the broker; a restart replays the log.
                 log.critical("journal %s: write failed; stopping the broker", self.path, exc_info=True)
@@ -303,9 +314,25 @@ class Journal:
             while self.durable_seq < self.appended_seq:
                 self._lock.wait()
 
+    def compact(self, records: Iterable[tuple[Kind, bytes | memoryview]]) -> None:
+        """Replace the log by ``records`` (the live state now). In background mode the writer thread does it
+        in order with the appends: records appended before this call go to the old log first, later ones
+        to the new log after the records, so the event loop does not wait for the copy; ``compacting``
+        stays true until the new log is in place."""
+        if not self.background:
+            self.rewrite(records)
+            return
+        with self._lock:
+            self.compacting = True
+            self._staged.append((None, list(records)))
+            self._lock.notify_all()
+
     def rewrite(self, records: Iterable[tuple[Kind, bytes | memoryview]]) -> None:
-        """Compaction: replace the log by ``records`` atomically."""
+        """Compaction, waiting for it: replace the log by ``records`` atomically."""
         self.flush()
+        self._replace(records)
+
+    def _replace(self, records: Iterable[tuple[Kind, bytes | memoryview]]) -> None:
         tmp = self.path.with_suffix(".log.tmp")
         tmp.unlink(missing_ok=True)
         # The same writer as appends (O_DIRECT where allowed): the live groups may be hundreds of MB, and
@@ -325,6 +352,7 @@ class Journal:
             self._writer.close()
             self._writer = _open_writer(self.path, size, self.direct_io)
             self._dirty = False
+        self.compacting = False
 
     def _sync_loop(self) -> None:
         while not self._stop.wait(self.fsync_interval_s):

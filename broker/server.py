@@ -178,11 +178,16 @@ class BrokerServer:
             self.state.counters.bad_frames += 1
         self._send(peer, rid, "error", proto.error_body(exc.code, exc.message))
 
-    def _send(self, peer: bytes, rid: int, type_: str, body: dict[str, Any], frames=()) -> None:
+    def _send(
+        self, peer: bytes, rid: int, type_: str, body: dict[str, Any], frames=(), durable: bool = False
+    ) -> None:
+        """Send a reply; with ``durable`` only once everything journaled so far is written, for replies that
+        acknowledge records (accepted groups, a cut batch, a version, a consumed batch). Other replies go at
+        once: a lease's TAKE record need not be durable first, because after a crash every old lease is
+        unknown and its prompts are leased again, so a reply that outruns its record loses nothing."""
         message = [peer, proto.encode_envelope(type_, rid, body), *frames]
         journal = self.state.journal
-        if journal is not None and journal.durable_seq < journal.appended_seq:
-            # Acknowledge only once everything journaled before this reply is written.
+        if durable and journal is not None and journal.durable_seq < journal.appended_seq:
             self._held.append((journal.appended_seq, message))
         else:
             self.sock.send_multipart(message, copy=False)
@@ -199,8 +204,8 @@ class BrokerServer:
         if sent:
             self._kick()
 
-    def _ok(self, peer: bytes, rid: int, body: dict[str, Any] | None = None) -> None:
-        self._send(peer, rid, "ok", body or {})
+    def _ok(self, peer: bytes, rid: int, body: dict[str, Any] | None = None, durable: bool = False) -> None:
+        self._send(peer, rid, "ok", body or {}, durable=durable)
 
     def _on_register(self, peer: bytes, req: proto.Request) -> None:
         meta = req.body.get("meta") or {}
@@ -251,7 +256,7 @@ class BrokerServer:
         now = time.time()
         node = self.state.node_for(peer, now)
         result = self.state.submit(node, req.body["lease_id"], req.attachments, now)
-        self._ok(peer, req.id, result)
+        self._ok(peer, req.id, result, durable=True)
         self._serve_waiters(now)
 
     def _on_release(self, peer: bytes, req: proto.Request) -> None:
@@ -276,15 +281,15 @@ class BrokerServer:
         now = time.time()
         self.state.seen(peer, now)
         self.state.publish_version(req.body["version"])
-        self._ok(peer, req.id, {"policy_version": self.state.version})
+        self._ok(peer, req.id, {"policy_version": self.state.version}, durable=True)
         self._serve_waiters(now)
 
     def _on_report_consumed(self, peer: bytes, req: proto.Request) -> None:
         self.state.seen(peer, time.time())
         self.state.report_consumed(req.body["batch_id"])
-        self._ok(peer, req.id, {"consumed": self.state.consumed})
+        self._ok(peer, req.id, {"consumed": self.state.consumed}, durable=True)
         if self.state.maybe_compact():
-            log.info("journal compacted to %d bytes", self.state.journal.bytes_written)
+            log.info("journal compaction started: %d live bytes to copy", self.state.live_bytes())
 
     def _on_stats(self, peer: bytes, req: proto.Request) -> None:
         self.state.seen(peer, time.time())
@@ -333,7 +338,7 @@ class BrokerServer:
                 "groups": len(batch.group_ids),
             }
         }
-        self._send(w.peer, w.rid, "ok", body, self.state.frames_of(batch))
+        self._send(w.peer, w.rid, "ok", body, self.state.frames_of(batch), durable=True)
 
     # ----------------------------------------------------------------- stats
     def stats(self, now: float | None = None) -> dict[str, Any]:

@@ -414,14 +414,14 @@ class BrokerState:
         j = self.journal
         # Compact once the dead part of the log (consumed groups, superseded records) reaches the threshold,
         # and outweighs the live part enough that rewriting the live groups stays a small share of the I/O.
-        if j is None:
+        if j is None or j.compacting:
             return False
         live = self.live_bytes()
         dead = j.bytes_written - live
         jc = self.cfg.journal
         if dead < jc.compact_every_bytes or dead < jc.compact_dead_per_live * live:
             return False
-        j.rewrite(self._snapshot_records())
+        j.compact(self._snapshot_records())
         return True
 
     def _snapshot_records(self):

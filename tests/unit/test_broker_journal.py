@@ -114,3 +114,20 @@ def test_background_mode_commits_groups_of_records_and_reports_durability(tmp_pa
     assert j.durable_seq == 4 and reported and reported[-1] == 4 and reported == sorted(reported)
     j.close()
     assert len(Journal(tmp_path).open()) == 4
+
+
+def test_background_compaction_takes_its_place_among_the_appends(tmp_path):
+    j = Journal(tmp_path, fsync="interval", fsync_interval_s=0.01, background=True)
+    j.open()
+    j.append(Kind.GROUP, b"before" * 1000)
+    j.compact([(Kind.SNAPSHOT, b"snap"), (Kind.RESTORE, b"kept")])
+    assert j.compacting
+    j.append(Kind.CONSUMED, b"after")
+    j.flush()
+    assert not j.compacting and j.durable_seq == 2
+    j.close()
+    assert [(k, bytes(p)) for k, p in Journal(tmp_path).open()] == [
+        (Kind.SNAPSHOT, b"snap"),
+        (Kind.RESTORE, b"kept"),
+        (Kind.CONSUMED, b"after"),
+    ]
