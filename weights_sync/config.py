@@ -14,6 +14,13 @@ class WeightSyncConfig(BaseModel):
     bucket_bytes: int = Field(
         512 << 20, gt=0, description="flattened bucket size; the sender keeps two staging buffers of it"
     )
+    inflight_buckets: int = Field(
+        2,
+        ge=1,
+        description="buckets announced to an engine before the oldest one's reply is awaited, for engines "
+        "that receive in bucket_seq order (tidal's; they load bucket k while receiving k+1); 1: one at a "
+        "time. SGLang engines always get one at a time",
+    )
     master_port: int = Field(
         0, ge=0, description="0: pick a free port; else pipeline stage s uses master_port + s"
     )

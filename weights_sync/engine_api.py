@@ -55,8 +55,11 @@ class EngineWeightsClient:
         world_size: int,
         group_name: str,
         backend: str,
-    ) -> None:
-        self._post(
+    ) -> bool:
+        """Join the engine to the group; True when it receives buckets in ``bucket_seq`` order, so the
+        sender may announce the next bucket before this one is answered (tidal's extension: the
+        engine says so in its reply; SGLang does not, and gets one announcement at a time)."""
+        reply = self._post(
             "/init_weights_update_group",
             {
                 "master_address": master_address,
@@ -67,6 +70,7 @@ class EngineWeightsClient:
                 "backend": backend,
             },
         )
+        return reply.get("ordered_buckets") is True
 
     def destroy_group(self, group_name: str) -> None:
         self._post("/destroy_weights_update_group", {"group_name": group_name})
@@ -93,6 +97,7 @@ class EngineWeightsClient:
         weight_version: str,
         flush_cache: bool,
         checksum: int | None = None,
+        seq: int | None = None,
     ) -> None:
         body: dict[str, Any] = {
             "names": names,
@@ -105,4 +110,6 @@ class EngineWeightsClient:
         }
         if checksum is not None:  # tidal's debugging extension; SGLang ignores unknown fields
             body["checksum"] = checksum
+        if seq is not None:  # tidal's extension, only to engines that declared ordered_buckets
+            body["bucket_seq"] = seq
         self._post("/update_weights_from_distributed", body)

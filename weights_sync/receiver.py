@@ -1,27 +1,82 @@
-"""The receive side of a weight sync: named groups, one flattened bucket per announcement.
+"""The receive side of a weight sync: named groups, ordered and double-buffered flattened buckets.
 
 Engines call this from their ``/init_weights_update_group`` and ``/update_weights_from_distributed``
-handlers; the handler blocks in ``receive`` until the sender's broadcast of that bucket completes.
+handlers. A handler holds its bucket from the receive until it has loaded it::
+
+    with receiver.receive(names=..., dtypes=..., shapes=..., group_name=..., seq=k) as tensors:
+        load(tensors)            # views into one of the group's two buffers
+
+Each group has two receive buffers, so bucket k+1 is received into the other buffer while bucket k is
+being loaded (``ORDERED_BUCKETS``: such an engine lets the sender announce the next bucket before the
+previous one is answered). Announcements travel on separate HTTP connections and may arrive out of
+order; ``seq`` (tidal's ``bucket_seq`` extension, 0, 1, 2, ... per group) makes each handler wait for
+its turn, so receives follow the sender's broadcast order. Without ``seq`` receives run in arrival
+order, one at a time, as in SGLang.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 from tidal.weights_sync import bucket, transport
+
+# What a receiver that implements this module's ordering answers in ``/init_weights_update_group``:
+# the sender may then pipeline announcements that carry ``bucket_seq``.
+ORDERED_BUCKETS = {"ordered_buckets": True}
 
 
 class ChecksumMismatch(ValueError):
     pass
 
 
+class BucketOrderError(RuntimeError):
+    """A bucket's turn never came (a predecessor was lost) or its sequence number was already used."""
+
+
+class _Slot:
+    """One receive buffer; held from the receive until its bucket is loaded."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.buffer: torch.Tensor | None = None
+
+
+class _GroupState:
+    def __init__(self, group: transport.WeightGroup):
+        self.group = group
+        self.turn = threading.Condition()
+        self.next_seq = 0  # the bucket whose turn it is to receive
+        self.issued = 0  # one past the highest bucket announced so far
+        self.closed = False
+        self.slots = (_Slot(), _Slot())
+        self.stream = None  # CUDA: the stream receives run on
+
+
+def _broadcast_on_side_stream(state: _GroupState, buf: torch.Tensor) -> torch.cuda.Event | None:
+    """Receive into ``buf``; on CUDA on a stream of the group's own, so that loading the previous bucket
+    (on the handler's current stream) does not queue behind this receive. Returns the event to wait for."""
+    if buf.device.type != "cuda":
+        state.group.broadcast(buf, src=0)
+        return None
+    if state.stream is None:
+        state.stream = torch.cuda.Stream(buf.device)
+    with torch.cuda.stream(state.stream):
+        state.group.broadcast(buf, src=0)
+        arrived = torch.cuda.Event()
+        arrived.record(state.stream)
+    return arrived
+
+
 class WeightReceiver:
-    def __init__(self, device: str = "cpu"):
+    def __init__(self, device: str = "cpu", timeout_s: float = 60.0):
         self.device = device
-        self._groups: dict[str, transport.WeightGroup] = {}
-        self._buffers: dict[str, torch.Tensor] = {}
+        self.timeout_s = timeout_s
+        self._groups: dict[str, _GroupState] = {}
         self._lock = threading.Lock()
 
     def init_group(
@@ -33,14 +88,11 @@ class WeightReceiver:
         world_size: int,
         group_name: str,
         backend: str,
-        timeout_s: float = 60.0,
+        timeout_s: float | None = None,
         local_rank: int = 0,
     ) -> None:
         """Join ``group_name`` as rank ``rank_offset + local_rank`` (blocks until all ranks joined)."""
-        with self._lock:
-            old = self._groups.pop(group_name, None)
-        if old is not None:  # the sender rebuilt the group (a node joined or died): replace ours
-            old.destroy()
+        self.destroy_group(group_name)  # the sender rebuilt the group (a node joined or died): replace ours
         group = transport.create_group(
             master_address=master_address,
             master_port=master_port,
@@ -48,33 +100,37 @@ class WeightReceiver:
             world_size=world_size,
             group_name=group_name,
             backend=backend,
-            timeout_s=timeout_s,
+            timeout_s=self.timeout_s if timeout_s is None else timeout_s,
         )
         with self._lock:
-            self._groups[group_name] = group
+            self._groups[group_name] = _GroupState(group)
 
     def destroy_group(self, group_name: str) -> bool:
         with self._lock:
-            group = self._groups.pop(group_name, None)
-            self._buffers.pop(group_name, None)
-        if group is None:
+            state = self._groups.pop(group_name, None)
+        if state is None:
             return False
-        group.destroy()
+        with state.turn:
+            state.closed = True
+            state.turn.notify_all()  # handlers waiting for their turn fail instead of timing out
+        state.group.destroy()
         return True
-
-    def _buffer(self, group_name: str, nbytes: int) -> torch.Tensor:
-        # reused across buckets: a fresh CPU allocation per bucket costs page faults on every byte
-        buf = self._buffers.get(group_name)
-        if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            self._buffers[group_name] = buf
-        return buf[:nbytes]
 
     @property
     def group_names(self) -> list[str]:
         with self._lock:
             return sorted(self._groups)
 
+    def _state(self, group_name: str) -> _GroupState:
+        with self._lock:
+            state = self._groups.get(group_name)
+        if state is None:
+            raise KeyError(
+                f"weight-update group {group_name!r} does not exist: call init_weights_update_group first"
+            )
+        return state
+
+    @contextmanager
     def receive(
         self,
         *,
@@ -83,32 +139,75 @@ class WeightReceiver:
         shapes: list[list[int]],
         group_name: str,
         checksum: int | None = None,
-    ) -> list[tuple[str, torch.Tensor]]:
-        """Receive one flattened bucket and return views of its tensors.
-
-        The views share a buffer kept per group (a group's buckets arrive one after another): load them
-        before the next receive on the same group.
-        """
-        with self._lock:
-            group = self._groups.get(group_name)
-        if group is None:
-            raise KeyError(
-                f"weight-update group {group_name!r} does not exist: call init_weights_update_group first"
-            )
+        seq: int | None = None,
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Receive one flattened bucket; yields views of its tensors, valid until the block exits."""
         spec = bucket.BucketSpec(names=list(names), dtypes=list(dtypes), shapes=[list(s) for s in shapes])
-        buf = self._buffer(group_name, spec.nbytes)
-        group.broadcast(buf, src=0)
-        if checksum is not None and bucket.checksum(buf) != checksum:
-            raise ChecksumMismatch(
-                f"bucket of {len(names)} tensors ({names[0]} ...) in group {group_name}: checksum "
-                f"{bucket.checksum(buf)} != announced {checksum}"
+        nbytes = spec.nbytes  # raises ValueError naming a bad dtype or shape before any receive
+        state = self._state(group_name)
+        with state.turn:
+            if seq is None:  # arrival order
+                seq = state.issued
+            state.issued = max(state.issued, seq + 1)
+            self._wait_for_turn(state, seq, group_name)
+        # our turn: the other handlers wait for next_seq, which moves only once this receive is done
+        slot = state.slots[seq % 2]
+        try:
+            # bucket seq-2 used this buffer: its handler must have loaded it (normally long done)
+            if not slot.lock.acquire(timeout=self.timeout_s):
+                raise BucketOrderError(f"group {group_name}: bucket {seq - 2} was never loaded")
+            try:
+                buf = self._buffer(slot, nbytes)
+                arrived = _broadcast_on_side_stream(state, buf)
+            except BaseException:
+                slot.lock.release()
+                raise
+        finally:
+            with state.turn:  # the next bucket may go on even after a failure: the sender drops us anyway
+                state.next_seq = seq + 1
+                state.turn.notify_all()
+        try:
+            if arrived is not None:
+                arrived.synchronize()  # NCCL's wait() only orders a stream: wait for the bytes themselves
+            if checksum is not None and bucket.checksum(buf) != checksum:
+                raise ChecksumMismatch(
+                    f"bucket of {len(names)} tensors ({names[0]} ...) in group {group_name}: checksum "
+                    f"{bucket.checksum(buf)} != announced {checksum}"
+                )
+            yield bucket.unpack(buf, spec)
+        finally:
+            slot.lock.release()
+
+    def _wait_for_turn(self, state: _GroupState, seq: int, group_name: str) -> None:
+        if seq < state.next_seq:
+            raise BucketOrderError(
+                f"group {group_name}: bucket_seq {seq} was already received (next is {state.next_seq})"
             )
-        return bucket.unpack(buf, spec)
+        deadline = time.monotonic() + self.timeout_s
+        while state.next_seq != seq and not state.closed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise BucketOrderError(
+                    f"group {group_name}: bucket_seq {seq} waited {self.timeout_s:.0f}s for bucket "
+                    f"{state.next_seq}, which never arrived"
+                )
+            state.turn.wait(left)
+        if state.closed:
+            raise BucketOrderError(f"group {group_name} was destroyed while bucket {seq} waited")
+
+    def _buffer(self, slot: _Slot, nbytes: int) -> torch.Tensor:
+        # reused across buckets and syncs: a fresh CPU allocation costs a page fault per 4 KB
+        if slot.buffer is None or slot.buffer.numel() < nbytes:
+            slot.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return slot.buffer[:nbytes]
 
     def receive_raw(self, sizes: list[int], group_name: str) -> None:
-        """Receive plain uint8 broadcasts of ``sizes`` bytes into one reused buffer (benchmark baseline)."""
-        with self._lock:
-            group = self._groups[group_name]
-        buf = self._buffer(group_name, max(sizes))  # the same reused buffer as bucket receives
-        for n in sizes:
-            group.broadcast(buf[:n], src=0)
+        """Plain uint8 broadcasts of ``sizes`` bytes into one reused buffer, between two barriers and
+        synchronised on CUDA (the benchmark's transport ceiling)."""
+        state = self._state(group_name)
+        with state.slots[0].lock:
+            buf = self._buffer(state.slots[0], max(sizes))
+            state.group.barrier()
+            for n in sizes:
+                state.group.broadcast(buf[:n], src=0)
+            state.group.barrier()

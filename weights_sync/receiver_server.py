@@ -20,12 +20,12 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from tidal.weights_sync import hf_io
-from tidal.weights_sync.receiver import WeightReceiver
+from tidal.weights_sync.receiver import ORDERED_BUCKETS, WeightReceiver
 
 
 def build_app(timeout_s: float = 60.0) -> FastAPI:
     app = FastAPI()
-    receiver = WeightReceiver("cpu")
+    receiver = WeightReceiver("cpu", timeout_s)
     weights: dict[str, torch.Tensor] = {}
     state: dict[str, Any] = {"version": None, "open": False, "receive_s": 0.0, "load_s": 0.0, "bytes": 0}
     lock = threading.Lock()
@@ -35,6 +35,19 @@ def build_app(timeout_s: float = 60.0) -> FastAPI:
 
     def fail(message: str, status: int = 400) -> JSONResponse:
         return JSONResponse({"success": False, "message": message}, status_code=status)
+
+    def load(tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy into the kept weights (an engine's load): buckets hold distinct names, so no lock."""
+        for name, t in tensors:
+            old = weights.get(name)
+            if old is not None and old.shape == t.shape and old.dtype == t.dtype:
+                old.copy_(t)
+            else:
+                weights[name] = t.clone()
+        if receiver.device == "cuda":
+            # answer once the copies are done, as an engine's load does (only this stream: the next
+            # bucket's receive runs on another)
+            torch.cuda.current_stream().synchronize()
 
     # plain ``def`` handlers run in the thread pool: they block in collectives without stalling the loop
     @app.post("/init_weights_update_group")
@@ -49,11 +62,10 @@ def build_app(timeout_s: float = 60.0) -> FastAPI:
                 world_size=int(body["world_size"]),
                 group_name=body.get("group_name", "weight_update_group"),
                 backend=body.get("backend", "gloo"),
-                timeout_s=timeout_s,
             )
         except Exception as exc:
             return fail(f"init_weights_update_group failed: {exc}")
-        return ok()
+        return {**ok(), **ORDERED_BUCKETS}
 
     @app.post("/destroy_weights_update_group")
     def destroy_group(body: dict[str, Any]):
@@ -88,25 +100,22 @@ def build_app(timeout_s: float = 60.0) -> FastAPI:
             return fail("update_weights_from_distributed outside begin_weight_update ... end_weight_update")
         t0 = time.perf_counter()
         try:
-            tensors = receiver.receive(
+            with receiver.receive(
                 names=body["names"],
                 dtypes=body["dtypes"],
                 shapes=body["shapes"],
                 group_name=body.get("group_name", "weight_update_group"),
                 checksum=body.get("checksum"),
-            )
+                seq=body.get("bucket_seq"),
+            ) as tensors:
+                t1 = time.perf_counter()
+                load(tensors)  # the next bucket is received into the other buffer meanwhile
+                t2 = time.perf_counter()
         except Exception as exc:
             return fail(f"receive failed: {type(exc).__name__}: {exc}")
-        t1 = time.perf_counter()
         with lock:
-            for name, t in tensors:
-                old = weights.get(name)
-                if old is not None and old.shape == t.shape and old.dtype == t.dtype:
-                    old.copy_(t)
-                else:
-                    weights[name] = t.clone()
             state["receive_s"] += t1 - t0
-            state["load_s"] += time.perf_counter() - t1
+            state["load_s"] += t2 - t1
             state["bytes"] += sum(t.numel() * t.element_size() for _, t in tensors)
             if body.get("weight_version") is not None:
                 state["version"] = body["weight_version"]
@@ -154,7 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--timeout-s", type=float, default=60.0)
     args = p.parse_args(argv)
-    uvicorn.run(build_app(args.timeout_s), host=args.host, port=args.port, log_level="warning")
+    # a handler can be stuck in a receive whose broadcast never came (a failed sync; gloo cannot abort it):
+    # do not wait for it on shutdown
+    uvicorn.run(
+        build_app(args.timeout_s),
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_graceful_shutdown=1,
+    )
     return 0
 
 

@@ -15,6 +15,7 @@ failure through an all-reduce, and the sync runs once more over a group rebuilt 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import queue
@@ -46,6 +47,9 @@ class SyncReport:
     pack_s: float = 0.0
     transfer_s: float = 0.0
     wall_s: float = 0.0
+    inflight: int = (
+        0  # announcements ahead of the replies: > 1 when every engine receives in bucket_seq order
+    )
     dropped: list[str] = field(default_factory=list)
     engines: list[str] = field(default_factory=list)
 
@@ -88,12 +92,16 @@ class WeightSender:
         self.backend = backend
         self.master_address = master_address
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.pause_mode = config.pause_mode
         self._barrier = barrier or _default_barrier
         self._any_failed = any_failed or _default_any_failed
         self._clients: dict[str, EngineWeightsClient] = {}
         self._group: transport.WeightGroup | None = None
         self._group_engines: list[str] = []
+        self._ordered = False  # every engine of the group receives in bucket_seq order
+        self._seq = itertools.count()
         self._generation = itertools.count()
         self._staging: list[torch.Tensor | None] = [None, None]
         # announcements to engines stuck in a receive may hold a worker until they time out
@@ -145,7 +153,7 @@ class WeightSender:
             with contextlib.suppress(Exception):
                 f.result(timeout=self.config.timeout_s)
         self._group.destroy()
-        self._group, self._group_engines = None, []
+        self._group, self._group_engines, self._ordered = None, [], False
 
     def _connect(self, report: SyncReport) -> None:
         """(Re)build the weight-update group over the engines that answer."""
@@ -192,6 +200,8 @@ class WeightSender:
             raise _Failed(f"weight-update group {name} could not be formed: {exc}") from exc
         failed = _settle(futures, self.config.timeout_s)
         self._group, self._group_engines = group, urls
+        self._ordered = not failed and all(f.result() for f in futures.values())
+        self._seq = itertools.count()  # bucket_seq restarts with each group
         if failed:
             for u in failed:
                 self._drop(u, report)
@@ -260,14 +270,26 @@ class WeightSender:
     def _stream(
         self, tensors: Iterable[tuple[str, torch.Tensor]], version: int, report: SyncReport
     ) -> _Failed | None:
-        """Pack buckets here, send them from a second thread; two staging buffers alternate."""
-        free: queue.Queue[torch.Tensor | None] = queue.Queue()
+        """Pack buckets here, broadcast them from a second thread; two staging buffers alternate.
+
+        To engines that receive in ``bucket_seq`` order a bucket is announced as soon as it is packed,
+        so each engine's handler is waiting in its receive when the broadcast starts, and loads bucket
+        k while it receives k+1; the reply of bucket k is awaited only after k+1 went out
+        (``inflight_buckets``). Other engines (SGLang) get one announcement at a time.
+        """
+        assert self._group is not None
+        group = self._group
+        window = report.inflight = self.config.inflight_buckets if self._ordered else 1
+        cuda = self.device.type == "cuda"
+        # (staging buffer, CUDA event after which it is free again): kept across syncs, allocated on first
+        # use, grown for an oversized bucket
+        free: queue.Queue[tuple[torch.Tensor | None, torch.cuda.Event | None]] = queue.Queue()
         for staging in self._staging:
-            free.put(staging)  # kept across syncs; allocated on first use, grown for an oversized tensor
+            free.put((staging, None))
         ready: queue.Queue = queue.Queue()
         errors: list[_Failed] = []
         sender = threading.Thread(
-            target=self._send_loop, args=(ready, free, version, report, errors), daemon=True
+            target=self._send_loop, args=(group, ready, free, window, version, report, errors), daemon=True
         )
         sender.start()
         it = iter(bucket.stream_buckets(tensors, self.config.bucket_bytes))
@@ -275,44 +297,40 @@ class WeightSender:
             for items in it:
                 if errors:
                     break
-                staging = free.get()
+                staging, sent = free.get()
+                if sent is not None:  # its broadcast ran on the send stream
+                    torch.cuda.current_stream(self.device).wait_event(sent)
                 t0 = time.perf_counter()
                 need = sum(t.numel() * t.element_size() for _, t in items)
                 if staging is None or staging.numel() < need:
-                    staging = torch.empty(need, dtype=torch.uint8, device=self.device)
+                    staging = torch.empty(
+                        max(need, self.config.bucket_bytes), dtype=torch.uint8, device=self.device
+                    )
                 buf, spec = bucket.pack(items, out=staging)
                 crc = bucket.checksum(buf) if self.config.verify_checksums else None
+                packed = None
+                if cuda:
+                    packed = torch.cuda.Event()
+                    packed.record(torch.cuda.current_stream(self.device))
                 report.pack_s += time.perf_counter() - t0
-                ready.put((staging, buf, spec, crc))
+                announced = self._announce(group, spec, crc, version) if window > 1 else None
+                ready.put((staging, buf, spec, crc, announced, packed))
         finally:
             ready.put(None)
             sender.join()
-            self._staging = [free.get() for _ in range(2)]
+            self._staging = [free.get()[0] for _ in range(2)]
+            if cuda:
+                torch.cuda.synchronize(self.device)
         _drain(it)  # after a failure: keep gathering so the other ranks' collectives complete
         return errors[0] if errors else None
 
-    def _send_loop(self, ready, free, version: int, report: SyncReport, errors: list[_Failed]) -> None:
-        group = self._group
-        assert group is not None
-        while (item := ready.get()) is not None:
-            staging, buf, spec, crc = item
-            if not errors:
-                t0 = time.perf_counter()
-                try:
-                    self._send_bucket(group, buf, spec, crc, version, report)
-                except _Failed as exc:
-                    errors.append(exc)
-                report.transfer_s += time.perf_counter() - t0
-                report.buckets += 1
-                report.bytes += buf.numel()
-            free.put(staging)
-
-    def _send_bucket(
-        self, group, buf, spec: bucket.BucketSpec, crc: int | None, version: int, report
-    ) -> None:
-        futures: dict[str, Future] = {
+    def _announce(self, group, spec: bucket.BucketSpec, crc: int | None, version: int) -> dict[str, Future]:
+        """POST the bucket's ``/update_weights_from_distributed`` to every engine (replies come after its load)."""
+        seq = next(self._seq) if self._ordered else None
+        clients = {u: self._clients.get(u) for u in self._group_engines}  # one may be dropped meanwhile
+        return {
             u: self._pool.submit(
-                self._clients[u].update_bucket,
+                client.update_bucket,
                 names=spec.names,
                 dtypes=spec.dtypes,
                 shapes=spec.shapes,
@@ -320,9 +338,53 @@ class WeightSender:
                 weight_version=str(version),
                 flush_cache=True,
                 checksum=crc,
+                seq=seq,
             )
-            for u in self._group_engines
+            for u, client in clients.items()
+            if client is not None
         }
+
+    def _send_loop(self, group, ready, free, window: int, version: int, report: SyncReport, errors) -> None:
+        replies: collections.deque[dict[str, Future]] = collections.deque()  # broadcast, not yet answered
+        stream = None
+        if self.device.type == "cuda":
+            # a stream of its own: packing the next bucket (current stream) does not queue behind a send
+            torch.cuda.set_device(self.device)  # the current device is per thread
+            stream = torch.cuda.Stream(self.device)
+        while (item := ready.get()) is not None:
+            staging, buf, spec, crc, announced, packed = item
+            sent = None
+            if not errors:
+                t0 = time.perf_counter()
+                try:
+                    if announced is None:
+                        announced = self._announce(group, spec, crc, version)
+                    if stream is None:
+                        self._broadcast(group, buf, report)
+                    else:
+                        stream.wait_event(packed)
+                        with torch.cuda.stream(stream):
+                            self._broadcast(group, buf, report)
+                        sent = torch.cuda.Event()
+                        sent.record(stream)
+                    replies.append(announced)
+                    while len(replies) >= window:
+                        self._settle_bucket(replies.popleft(), report)
+                except _Failed as exc:
+                    errors.append(exc)
+                report.transfer_s += time.perf_counter() - t0
+                report.buckets += 1
+                report.bytes += buf.numel()
+            free.put((staging, sent))
+        t0 = time.perf_counter()
+        try:
+            while replies and not errors:
+                self._settle_bucket(replies.popleft(), report)
+        except _Failed as exc:
+            errors.append(exc)
+        report.transfer_s += time.perf_counter() - t0
+
+    def _broadcast(self, group, buf: torch.Tensor, report: SyncReport) -> None:
         try:
             group.broadcast(buf, src=0)
         except Exception as exc:
@@ -331,6 +393,8 @@ class WeightSender:
             for u in dead:
                 self._drop(u, report)
             raise _Failed(f"broadcast of a {buf.numel()}-byte bucket failed ({exc}); dropped {dead}") from exc
+
+    def _settle_bucket(self, futures: dict[str, Future], report: SyncReport) -> None:
         failed = _settle(futures, self.config.timeout_s)
         if failed:
             for u in failed:
@@ -344,13 +408,19 @@ class WeightSender:
 
 def raw_broadcast(sender: WeightSender, sizes: list[int]) -> float:
     """Seconds to broadcast plain buffers of ``sizes`` bytes over the sender's current group: the
-    transport's ceiling for the benchmark. Engines must serve ``/tidal/raw_receive`` (receiver_server)."""
+    transport's ceiling for the benchmark. Engines must serve ``/tidal/raw_receive`` (receiver_server).
+
+    The transfers sit between two group barriers, which on CUDA also wait for the kernels, so the
+    time covers the bytes' arrival on every engine, as a sync's does (its replies follow the loads).
+    """
     group = sender._group
     if group is None:
         raise RuntimeError("no weight-update group: run a sync first")
     buf = sender._staging[0]  # the sync's own staging buffer: both sides reuse memory, as a sync does
     if buf is None or buf.numel() < max(sizes):
         buf = sender._staging[0] = torch.ones(max(sizes), dtype=torch.uint8, device=sender.device)
+    if sender.device.type == "cuda":
+        torch.cuda.synchronize(sender.device)
     t0 = time.perf_counter()
     futures = {
         u: sender._pool.submit(
@@ -358,8 +428,10 @@ def raw_broadcast(sender: WeightSender, sizes: list[int]) -> float:
         )
         for u in sender._group_engines
     }
+    group.barrier()
     for n in sizes:
         group.broadcast(buf[:n], src=0)
+    group.barrier()
     failed = _settle(futures, sender.config.timeout_s)
     if failed:
         raise RuntimeError(f"raw receive failed on {failed}")

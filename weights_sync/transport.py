@@ -32,8 +32,13 @@ class WeightGroup:
         self.pg.broadcast([tensor], opts).wait()
 
     def barrier(self) -> None:
-        device = "cuda" if self.backend == "nccl" else "cpu"
-        self.broadcast(torch.zeros(1, device=device))
+        """Return once every rank reached it (on CUDA: and the work queued before it has finished)."""
+        if self.backend == "nccl":
+            torch.cuda.synchronize()
+            self.broadcast(torch.zeros(1, device="cuda"))
+            torch.cuda.synchronize()  # NCCL's wait() only orders the stream: wait for the kernel itself
+        else:
+            self.broadcast(torch.zeros(1))
 
     def destroy(self) -> None:
         shutdown = getattr(self.pg, "shutdown", None)

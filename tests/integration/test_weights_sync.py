@@ -83,6 +83,7 @@ def test_sync_delivers_every_tensor_bitwise_to_every_engine(receivers, checkpoin
         assert report.ok and report.attempts == 1 and report.dropped == []
         total = sum(t.numel() * t.element_size() for t in checkpoint.values())
         assert report.bytes == total and report.buckets > 3  # several buckets: the overlap path ran
+        assert report.inflight == 2  # the receivers declared ordered_buckets: announcements ran ahead
         for i, url in enumerate(urls):
             got = _engine_tensors(url, tmp_path / f"engine{i}")
             assert sorted(got) == sorted(checkpoint)
@@ -100,13 +101,15 @@ def test_sync_delivers_every_tensor_bitwise_to_every_engine(receivers, checkpoin
 @pytest.mark.slow
 def test_a_joining_engine_gets_everything_at_the_next_sync(receivers, checkpoint, tmp_path):
     _, urls = receivers
-    sender = WeightSender(WeightSyncConfig(bucket_bytes=256 << 10, timeout_s=20), [EngineEndpoint(urls[0])])
+    # one announcement at a time, as SGLang engines get them
+    config = WeightSyncConfig(bucket_bytes=256 << 10, timeout_s=20, inflight_buckets=1)
+    sender = WeightSender(config, [EngineEndpoint(urls[0])])
     try:
         changed = {n: t + 1 for n, t in checkpoint.items()}
         assert sender.sync(lambda: iter(changed.items()), version=7).ok
         sender.set_engines([EngineEndpoint(u) for u in urls])  # a node joined
         report = sender.sync(lambda: iter(changed.items()), version=8)
-        assert report.ok and report.engines == urls
+        assert report.ok and report.engines == urls and report.inflight == 1
         for i, url in enumerate(urls):
             got = _engine_tensors(url, tmp_path / f"engine{i}")
             assert all(torch.equal(got[n], t) for n, t in changed.items())

@@ -1,0 +1,118 @@
+"""The engine-side receive: announcements that arrive out of order are received in ``bucket_seq`` order,
+and bucket k+1 is received into the second buffer while bucket k is still being loaded.
+
+Both ranks of a real two-rank gloo group live in this process (the sender in the test's thread, each
+announcement's handler in a thread of its own, as an engine's HTTP server runs them).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from tidal.procs import free_port
+from tidal.weights_sync import bucket, transport
+from tidal.weights_sync.receiver import BucketOrderError, WeightReceiver
+
+
+@pytest.fixture
+def pair():
+    """(sender group, receiver joined as rank 1)."""
+    port = free_port()
+    receiver = WeightReceiver("cpu", timeout_s=10)
+    with ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(
+            receiver.init_group,
+            master_address="127.0.0.1",
+            master_port=port,
+            rank_offset=1,
+            world_size=2,
+            group_name="g",
+            backend="gloo",
+        )
+        sender = transport.create_group(
+            master_address="127.0.0.1", master_port=port, rank=0, world_size=2, group_name="g", timeout_s=10
+        )
+        joined.result(timeout=30)
+    yield sender, receiver
+    receiver.destroy_group("g")
+    sender.destroy()
+
+
+def _buckets(n: int) -> list[tuple[torch.Tensor, bucket.BucketSpec]]:
+    """n buckets of different sizes (a receive of the wrong announcement would not even fit)."""
+    g = torch.Generator().manual_seed(0)
+    return [bucket.pack([(f"w{k}", torch.randn(100 + 37 * k, generator=g))]) for k in range(n)]
+
+
+def _handler(receiver: WeightReceiver, spec: bucket.BucketSpec, seq: int, got: dict, hold=None, loaded=None):
+    with receiver.receive(
+        names=spec.names, dtypes=spec.dtypes, shapes=spec.shapes, group_name="g", seq=seq
+    ) as tensors:
+        if hold is not None:
+            assert hold.wait(timeout=30)  # still "loading": this bucket's buffer stays taken
+        got[seq] = [(n, t.clone()) for n, t in tensors]
+    if loaded is not None:
+        loaded.set()
+
+
+def test_announcements_arriving_out_of_order_are_received_in_sequence(pair):
+    sender, receiver = pair
+    buckets = _buckets(4)
+    got: dict[int, list] = {}
+    with ThreadPoolExecutor(4) as pool:
+        # the handlers start in reverse order: each must wait for its turn
+        futures = [
+            pool.submit(_handler, receiver, spec, k, got)
+            for k, (_, spec) in reversed(list(enumerate(buckets)))
+        ]
+        for buf, _ in buckets:
+            sender.broadcast(buf, src=0)
+        for f in futures:
+            f.result(timeout=30)
+    for k, (buf, spec) in enumerate(buckets):
+        assert [n for n, _ in got[k]] == spec.names
+        assert all(
+            torch.equal(t, want) for (_, t), (_, want) in zip(got[k], bucket.unpack(buf, spec), strict=True)
+        )
+
+
+def test_next_bucket_is_received_while_the_previous_one_is_still_loading(pair):
+    sender, receiver = pair
+    (buf0, spec0), (buf1, spec1) = _buckets(2)
+    hold, loaded = threading.Event(), threading.Event()
+    got: dict[int, list] = {}
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(_handler, receiver, spec0, 0, got, hold, loaded)
+        second = pool.submit(_handler, receiver, spec1, 1, got)
+        sender.broadcast(buf0, src=0)
+        sender.broadcast(buf1, src=0)  # completes although bucket 0 is still held
+        second.result(timeout=30)
+        assert not loaded.is_set() and 1 in got
+        hold.set()
+        first.result(timeout=30)
+    assert torch.equal(got[0][0][1], bucket.unpack(buf0, spec0)[0][1])  # bucket 1 did not overwrite it
+    assert torch.equal(got[1][0][1], bucket.unpack(buf1, spec1)[0][1])
+
+
+def test_a_bucket_whose_predecessor_never_comes_fails_naming_it(pair):
+    _, receiver = pair
+    receiver.timeout_s = 0.5
+    (_, spec), _ = _buckets(2)
+    with pytest.raises(BucketOrderError, match="bucket_seq 1 waited .* for bucket 0"):
+        _handler(receiver, spec, 1, {})
+
+
+def test_destroying_the_group_releases_waiting_handlers(pair):
+    _, receiver = pair
+    (_, spec), _ = _buckets(2)
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(_handler, receiver, spec, 3, {})
+        while receiver._state("g").issued < 4:  # the handler registered and waits for bucket 0
+            threading.Event().wait(0.01)
+        assert receiver.destroy_group("g")
+        with pytest.raises(BucketOrderError, match="destroyed"):
+            waiting.result(timeout=30)
