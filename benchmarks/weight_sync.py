@@ -25,6 +25,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -41,8 +42,14 @@ from tidal.weights_sync.sender import WeightSender, raw_broadcast
 
 def model_for_bytes(target: int, dtype_bytes: int) -> ModelConfig:
     """A Qwen3 architecture whose weights take about ``target`` bytes."""
-    hidden = 256 if target <= 64 << 20 else 512 if target <= 512 << 20 else 1024
-    vocab = 2048 if target <= 64 << 20 else 8192
+    if target <= 64 << 20:
+        hidden, vocab = 256, 2048
+    elif target <= 512 << 20:
+        hidden, vocab = 512, 8192
+    elif target <= 8 << 30:
+        hidden, vocab = 1024, 8192
+    else:  # tens of GB (GPU runs): fewer, larger tensors, as real models of that size have
+        hidden, vocab = 4096, 32768
     inter, head_dim = 3 * hidden, 64
     heads, kv = hidden // head_dim, max(1, hidden // head_dim // 2)
     per_layer = hidden * head_dim * (2 * heads + 2 * kv) + 3 * hidden * inter + 2 * hidden + 2 * head_dim
@@ -113,8 +120,6 @@ def start_receivers(n: int, logdir: Path, threads: int, first_gpu: int | None = 
 
 def local_source(model: ModelConfig, args):
     """One trainer rank holding full megatron-core tensors: the sync converts them (no gather)."""
-    import time
-
     mapping = mapping_for(model)
     state = megatron_state(model, getattr(torch, args.dtype), args.device)
 
@@ -143,18 +148,23 @@ def megatron_source(model: ModelConfig, args):
 
 
 def run_size(sender: WeightSender, urls: list[str], target: int, args) -> dict | None:
-    """Medians for one model size; None on the ranks that only help gather."""
+    """Medians for one model size; None on the ranks that only help gather.
+
+    One unmeasured sync first (it builds the group on the first size and lets both sides allocate
+    their buffers and the engine its weights, as a trainer's first sync does); then ``--repeats`` pairs
+    of a full sync and a raw broadcast, back to back so that both see the same machine load.
+    """
     dtype = getattr(torch, args.dtype)
     model = model_for_bytes(target, dtype.itemsize)
     make = megatron_source(model, args) if args.tp > 1 else local_source(model, args)
+    _checked(sender.sync(lambda: make(GatherTimes()), version=0))
     full, raw = [], []
-    for _ in range(args.repeats):
-        for url in urls:
+    for repeat in range(args.repeats):
+        for url in urls if sender.is_sender else []:
             httpx.post(f"{url}/tidal/reset_stats", json={}, timeout=30).raise_for_status()
         times = GatherTimes()
-        report = sender.sync(lambda times=times: make(times), version=1)
-        if not report.ok or report.dropped:
-            raise RuntimeError(f"sync failed: {report}")
+        _synchronize(args.device)
+        report = _checked(sender.sync(lambda times=times: make(times), version=repeat + 1))
         if not sender.is_sender:
             continue
         stats = [httpx.get(f"{u}/tidal/stats", timeout=30).json() for u in urls]
@@ -186,9 +196,22 @@ def run_size(sender: WeightSender, urls: list[str], target: int, args) -> dict |
         sync_gbps=nbytes / med["wall_s"] / 1e9,
         raw_s=raw_s,
         raw_gbps=nbytes / raw_s / 1e9,
-        ratio=(nbytes / med["wall_s"]) / (nbytes / raw_s),
+        ratio=raw_s / med["wall_s"],
+        # each sync against the raw broadcast right after it (less exposed to load that changes)
+        paired_ratio=statistics.median(r / f["wall_s"] for f, r in zip(full, raw, strict=True)),
         runs=dict(sync=full, raw=raw),
     )
+
+
+def _checked(report):
+    if not report.ok or report.dropped:
+        raise RuntimeError(f"sync failed: {report}")
+    return report
+
+
+def _synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def _bucket_sizes(total: int, bucket: int) -> list[int]:
@@ -216,7 +239,15 @@ def main() -> int:
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="skip the remaining sizes once the next one (estimated from the last, scaled by size) would "
+        "end past this many seconds from the start",
+    )
     args = p.parse_args()
+    _check_devices(p, args)
 
     if args.tp > 1 and "RANK" not in os.environ:  # run this script under torchrun, one rank per TP shard
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.tp}"]
@@ -229,9 +260,8 @@ def main() -> int:
 
         rank, _ = parallel.init_distributed()
     logdir = Path(args.out.parent if args.out else "runs/bench") / "weight_sync_logs"
-    first_gpu = None
-    if args.device.startswith("cuda") and torch.cuda.device_count() > args.engines:
-        first_gpu = max(args.tp, 1)  # the sender's ranks hold GPUs 0..tp-1
+    # with NCCL the sender's ranks hold GPUs 0..tp-1 and the engines the next ones (_check_devices)
+    first_gpu = max(args.tp, 1) if args.backend == "nccl" else None
     procs, urls = start_receivers(args.engines, logdir, args.threads, first_gpu) if rank == 0 else ([], [])
     if args.tp > 1:
         shared = [urls]
@@ -245,10 +275,18 @@ def main() -> int:
         backend=args.backend,
         device=args.device,
     )
-    results = []
+    results, skipped = [], []
+    start, last = time.perf_counter(), None  # last: (MB, seconds) of the previous size
     try:
         for mb in args.sizes_mb:
+            if _out_of_time(args, start, last, mb):
+                skipped = args.sizes_mb[args.sizes_mb.index(mb) :]
+                if rank == 0:
+                    print(f"--max-seconds {args.max_seconds:g}: skipped sizes {skipped} MB", flush=True)
+                break
+            t0 = time.perf_counter()
             result = run_size(sender, urls, mb << 20, args)
+            last = (mb, time.perf_counter() - t0)
             if result is not None:
                 results.append(result)
                 _print(results[-1:], header=len(results) == 1)
@@ -268,6 +306,10 @@ def main() -> int:
         backend=args.backend,
         device=args.device,
         torch=torch.__version__,
+        skipped_sizes_mb=skipped,
+        gpus=[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if args.device.startswith("cuda")
+        else [],
     )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -276,16 +318,47 @@ def main() -> int:
     return 0
 
 
+def _check_devices(parser: argparse.ArgumentParser, args) -> None:
+    """NCCL refuses two ranks of one group on one GPU: the sender's ranks and each engine need their own."""
+    if args.backend == "nccl" and not args.device.startswith("cuda"):
+        parser.error(
+            f"--backend nccl moves CUDA tensors only: add --device cuda (got --device {args.device})"
+        )
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device on this host; use --device cpu --backend gloo")
+    if args.backend == "nccl":
+        need = max(args.tp, 1) + args.engines
+        have = torch.cuda.device_count()
+        if have < need:
+            parser.error(
+                f"--backend nccl needs one GPU per rank: {max(args.tp, 1)} sender rank(s) + {args.engines} "
+                f"engine(s) = {need} GPUs, this host has {have}; use --backend gloo (CPU tensors) on fewer GPUs"
+            )
+
+
+def _out_of_time(args, start: float, last: tuple[int, float] | None, mb: int) -> bool:
+    """Whether size ``mb`` would end past ``--max-seconds`` (the same decision on every TP rank)."""
+    skip = False
+    if args.max_seconds is not None and last is not None:
+        estimate = last[1] * max(1.0, mb / last[0])
+        skip = time.perf_counter() - start + estimate > args.max_seconds
+    if args.tp > 1:
+        decision = [skip]
+        torch.distributed.broadcast_object_list(decision, src=0)
+        skip = decision[0]
+    return skip
+
+
 def _print(results: list[dict], header: bool) -> None:
     if header:
         print(
-            f"{'size':>7} {'bytes':>12} {'sync GB/s':>9} {'raw GB/s':>8} {'ratio':>6} | "
+            f"{'size':>7} {'bytes':>12} {'sync GB/s':>9} {'raw GB/s':>8} {'ratio':>6} {'paired':>6} | "
             f"{'gather':>7} {'convert':>7} {'pack':>7} {'transfer':>8} {'load':>7} {'wall':>7} (s, medians)"
         )
     for r in results:
         s = r["sync"]
         print(
-            f"{r['target_mb']:>5}MB {r['bytes']:>12} {r['sync_gbps']:>9.2f} {r['raw_gbps']:>8.2f} {r['ratio']:>6.2f} | "
+            f"{r['target_mb']:>5}MB {r['bytes']:>12} {r['sync_gbps']:>9.2f} {r['raw_gbps']:>8.2f} {r['ratio']:>6.2f} {r['paired_ratio']:>6.2f} | "
             f"{s['gather_s']:>7.3f} {s['convert_s']:>7.3f} {s['pack_s']:>7.3f} {s['transfer_s']:>8.3f} "
             f"{s['load_s']:>7.3f} {s['wall_s']:>7.3f}",
             flush=True,
