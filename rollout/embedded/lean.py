@@ -200,8 +200,9 @@ class LeanDecoder:
     def _moe(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
         """Qwen3-MoE's sparse block; static shapes (no data-dependent expert loop), so CUDA graphs capture it.
 
-        Few rows: each row runs its own top-k experts (their matrices gathered: fewer bytes than all
-        experts). Many rows: every expert runs on every row and the router's weights (zero off the top-k)
+        Few rows (rows x top_k < experts): each row runs its own top-k experts (their matrices gathered:
+        fewer bytes than all experts). Many rows: on CPU the (row, expert) pairs sorted by expert, one
+        grouped matmul; else every expert runs on every row and the router's weights (zero off the top-k)
         combine them, which reads each expert once.
         """
         rows = x.shape[0]
@@ -212,8 +213,6 @@ class LeanDecoder:
         weights = weights.to(x.dtype)
         gate_up, down = layer.experts_gate_up, layer.experts_down
         experts = gate_up.shape[0]
-        if self.grouped_mm:
-            return self._moe_grouped(x, chosen, weights, gate_up, down)
         if rows * self.top_k < experts:
             picked_gate_up = gate_up[chosen]  # [rows, k, 2I, H]
             picked_down = down[chosen]  # [rows, k, H, I]
@@ -221,6 +220,8 @@ class LeanDecoder:
             gate, up = hidden.chunk(2, dim=-1)
             out = torch.matmul(picked_down, (self.act(gate) * up)[..., None]).squeeze(-1)  # [rows, k, H]
             return (out * weights[..., None]).sum(dim=1)
+        if self.grouped_mm:
+            return self._moe_grouped(x, chosen, weights, gate_up, down)
         dense = torch.zeros(rows, experts, dtype=x.dtype, device=x.device).scatter_(1, chosen, weights)
         hidden = torch.matmul(x[None], gate_up.transpose(1, 2))  # [E, rows, 2I]
         gate, up = hidden.chunk(2, dim=-1)
