@@ -36,9 +36,10 @@ def unsupported_reason(lm: nn.Module) -> str | None:
     layer_types = getattr(config, "layer_types", None) or []
     if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
         return "sliding-window attention layers"
-    if getattr(config, "rope_scaling", None) and config.rope_scaling.get("rope_type", "default") != "default":
-        # the rotary module's own forward builds the tables, so scaled rope would work; it is untested
-        pass
+    rope_type = getattr(lm.model.rotary_emb, "rope_type", "default")
+    if "dynamic" in rope_type or rope_type == "longrope":
+        # these rescale the frequencies by the sequence length seen; the tables are built once
+        return f"rope_type {rope_type!r} (frequencies that depend on the sequence length)"
     for layer in lm.model.layers:
         if not hasattr(layer.self_attn, "qkv_weight"):
             return "attention without fused Q/K/V (rollout.engine.fuse_projections is off, or attention bias)"
