@@ -8,11 +8,12 @@ Requests are SGLang's native JSON (``sglang/srt/managers/io_struct.py``); respon
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 from typing import Any
 
-import httpx
+import aiohttp
 
 from tidal.rollout.engine import EngineClient, EngineError, GenerateResult, token_versions
 
@@ -27,28 +28,62 @@ def parse_version(text: str) -> tuple[int, ...] | None:
     return tuple(int(x or 0) for x in m.groups())
 
 
+class Response:
+    """An engine's HTTP reply, read whole."""
+
+    def __init__(self, status_code: int, content: bytes) -> None:
+        self.status_code = status_code
+        self.content = content
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", errors="replace")
+
+    def json(self) -> Any:
+        return json.loads(self.content)
+
+
 class SGLangClient(EngineClient):
+    """aiohttp underneath: per request it costs a fraction of httpx's CPU, whose connection pool checks
+    every pooled connection on each request (a rollout node keeps ~100 requests in flight)."""
+
     def __init__(self, url: str, *, timeout_s: float = 600.0, max_connections: int = 512):
         self.url = url.rstrip("/")
-        self._http = httpx.AsyncClient(
-            base_url=self.url,
-            timeout=httpx.Timeout(timeout_s, connect=10.0),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-        )
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s, connect=10.0)
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+        self._session_loop: asyncio.AbstractEventLoop | None = None
         self._version: tuple[int, ...] | None = None
         self._version_probed = False
 
     # ---- plumbing ----
 
+    def _http(self) -> aiohttp.ClientSession:
+        # created on first use: an aiohttp session belongs to the event loop that runs it
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._session_loop is not loop:
+            self._session_loop = loop
+            self._session = aiohttp.ClientSession(
+                timeout=self._timeout,
+                connector=aiohttp.TCPConnector(limit=self._max_connections),
+                json_serialize=json.dumps,
+            )
+        return self._session
+
     def build(self, route: str, body: dict[str, Any] | None) -> dict[str, Any] | None:
         """The JSON body sent to ``route`` (a hook the tests use to validate every request built)."""
         return body
 
-    async def _request(self, method: str, route: str, body: dict[str, Any] | None = None) -> httpx.Response:
+    async def _send(self, method: str, route: str, payload: Any, timeout_s: float | None = None) -> Response:
+        timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
+        async with self._http().request(method, self.url + route, json=payload, timeout=timeout) as resp:
+            return Response(resp.status, await resp.read())
+
+    async def _request(self, method: str, route: str, body: dict[str, Any] | None = None) -> Response:
         payload = self.build(route, body)
         try:
-            resp = await self._http.request(method, route, json=payload)
-        except httpx.HTTPError as exc:
+            resp = await self._send(method, route, payload)
+        except (aiohttp.ClientError, TimeoutError) as exc:
             raise EngineError(route, None, f"{type(exc).__name__}: {exc} (engine at {self.url})") from exc
         if resp.status_code >= 400:
             raise EngineError(route, resp.status_code, _error_message(resp))
@@ -65,8 +100,8 @@ class SGLangClient(EngineClient):
 
     async def health(self) -> bool:
         try:
-            resp = await self._http.get("/health", timeout=5.0)
-        except httpx.HTTPError:
+            resp = await self._send("GET", "/health", None, timeout_s=5.0)
+        except (aiohttp.ClientError, TimeoutError):
             return False
         return resp.status_code == 200
 
@@ -210,7 +245,8 @@ class SGLangClient(EngineClient):
         return resp.json()
 
     async def close(self) -> None:
-        await self._http.aclose()
+        if self._session is not None:
+            await self._session.close()
 
 
 def parse_generate_response(data: Any, prompt_tokens: int) -> GenerateResult:
@@ -235,7 +271,7 @@ def parse_generate_response(data: Any, prompt_tokens: int) -> GenerateResult:
     )
 
 
-def _error_message(resp: httpx.Response) -> str:
+def _error_message(resp: Response) -> str:
     try:
         data = resp.json()
     except ValueError:
