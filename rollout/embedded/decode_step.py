@@ -99,13 +99,14 @@ class DecodeGraphs:
         self.positions.zero_()
         try:
             mempool = torch.cuda.graph_pool_handle()
-            # warm-up off the capture (lazy initialisations, kernel selection), on a side stream as
-            # torch.cuda.graphs asks
+            # every shape once off the capture (lazy initialisations, per-shape kernel choices and plans),
+            # on a side stream as torch.cuda.graphs asks
             side = torch.cuda.Stream(device=self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 for rows in self.rows_buckets:
-                    self._forward(rows, self.len_buckets[0])
+                    for length in self.len_buckets:
+                        self._forward(rows, length)
             torch.cuda.current_stream(self.device).wait_stream(side)
             # largest first: later (smaller) graphs reuse the pool memory the first one reserved
             for rows in reversed(self.rows_buckets):

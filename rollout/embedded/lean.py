@@ -17,15 +17,25 @@ greedy tokens equal transformers' and logprobs agree within fp32 rounding.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tidal.rollout.embedded.kv_cache import KVPool
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
+# SDPA kernels for the decode attention: the memory-efficient one takes the length mask and is captured
+# by CUDA graphs; math is the always-available fallback. (cuDNN's builds a plan per shape, which a capture
+# must not do.)
+_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa_backends(restrict: bool):
+    return sdpa_kernel(_SDPA_BACKENDS) if restrict else contextlib.nullcontext()
 
 
 def unsupported_reason(lm: nn.Module) -> str | None:
@@ -158,6 +168,11 @@ class LeanDecoder:
         if masked:
             key_pos = torch.arange(kv_len, device=self.device)
             mask = (key_pos[None, :] <= positions[:, None])[:, None, None, :]  # [rows, 1, 1, kv_len]
+        with sdpa_backends(self.sdpa_attention):
+            return self._forward(ids, positions, kv_len, cos, sin, row_index, mask)
+
+    def _forward(self, ids, positions, kv_len, cos, sin, row_index, mask) -> torch.Tensor:
+        rows = ids.shape[0]
         h = F.embedding(ids, self.embed)
         for index, layer in enumerate(self.layers):
             x = self._norm(h, layer.input_norm)
