@@ -119,17 +119,23 @@ def checksum(buf: torch.Tensor) -> int:
 
 
 def stream_buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, first_bytes: int | None = None
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """``plan_buckets`` as a stream: each dtype's bucket leaves as soon as the next tensor would overflow it,
-    so packing and sending start before the last tensor is gathered."""
+    so packing and sending start before the last tensor is gathered.
+
+    ``first_bytes``: the first bucket's limit, doubling with each bucket up to ``bucket_bytes``, so the
+    first broadcast starts after a small pack instead of a full bucket's (the pipeline's fill time).
+    """
+    limit = min(first_bytes or bucket_bytes, bucket_bytes)
     open_buckets: dict[torch.dtype, tuple[list[tuple[str, torch.Tensor]], int]] = {}
     for name, t in named_tensors:
         n = t.numel() * t.element_size()
         items, size = open_buckets.get(t.dtype, ([], 0))
-        if items and size + n > bucket_bytes:
+        if items and size + n > limit:
             yield items
             items, size = [], 0
+            limit = min(2 * limit, bucket_bytes)
         items.append((name, t))
         open_buckets[t.dtype] = (items, size + n)
     for items, _ in open_buckets.values():

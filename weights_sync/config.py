@@ -11,8 +11,18 @@ class WeightSyncConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     every_steps: int = Field(1, ge=1, description="sync after every k optimizer steps")
-    bucket_bytes: int = Field(
-        512 << 20, gt=0, description="flattened bucket size; the sender keeps two staging buffers of it"
+    bucket_bytes: int | None = Field(
+        None,
+        gt=0,
+        description="flattened bucket size; the sender keeps two staging buffers of it. None: 64 MiB with "
+        "gloo (CPU: small buckets let packing and the engine's load overlap the transfer), 512 MiB with "
+        "NCCL (fewer HTTP announcements per GB)",
+    )
+    first_bucket_bytes: int | None = Field(
+        None,
+        gt=0,
+        description="the first bucket's size, doubling per bucket up to bucket_bytes, so the first "
+        "broadcast waits for a small pack; None: bucket_bytes // 8",
     )
     inflight_buckets: int = Field(
         2,
@@ -34,3 +44,11 @@ class WeightSyncConfig(BaseModel):
         description="/pause_generation mode around a sync (SGLang's); None: do not pause",
     )
     retries: int = Field(1, ge=0, description="attempts after one that lost an engine (rebuilt without it)")
+
+    def bucket_sizes(self, backend: str) -> tuple[int, int]:
+        """(first bucket, bucket) in bytes for a group on ``backend``, with the defaults filled in."""
+        size = self.bucket_bytes or DEFAULT_BUCKET_BYTES.get(backend, DEFAULT_BUCKET_BYTES["nccl"])
+        return min(self.first_bucket_bytes or max(1, size // 8), size), size
+
+
+DEFAULT_BUCKET_BYTES = {"gloo": 64 << 20, "nccl": 512 << 20}

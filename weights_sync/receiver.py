@@ -176,6 +176,8 @@ class WeightReceiver:
                 )
             yield bucket.unpack(buf, spec)
         finally:
+            if arrived is not None:  # the caller's load read this buffer on its stream: finish it first
+                torch.cuda.current_stream(buf.device).synchronize()
             slot.lock.release()
 
     def _wait_for_turn(self, state: _GroupState, seq: int, group_name: str) -> None:

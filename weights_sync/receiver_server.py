@@ -11,6 +11,7 @@ dict; ``POST /tidal/save_weights {"path": DIR}`` writes them as a Hugging Face d
 from __future__ import annotations
 
 import argparse
+import resource
 import threading
 import time
 from typing import Any
@@ -133,8 +134,14 @@ def build_app(timeout_s: float = 60.0) -> FastAPI:
 
     @app.get("/tidal/stats")
     def stats():
+        usage = resource.getrusage(resource.RUSAGE_SELF)  # all threads of this process
         with lock:
-            return {**state, "tensors": len(weights), "groups": receiver.group_names}
+            return {
+                **state,
+                "tensors": len(weights),
+                "groups": receiver.group_names,
+                "cpu_s": usage.ru_utime + usage.ru_stime,
+            }
 
     @app.post("/tidal/reset_stats")
     def reset_stats(body: dict[str, Any]):

@@ -50,6 +50,7 @@ class SyncReport:
     inflight: int = (
         0  # announcements ahead of the replies: > 1 when every engine receives in bucket_seq order
     )
+    bucket_sizes: list[int] = field(default_factory=list)  # bytes of each bucket sent, in order
     dropped: list[str] = field(default_factory=list)
     engines: list[str] = field(default_factory=list)
 
@@ -292,7 +293,8 @@ class WeightSender:
             target=self._send_loop, args=(group, ready, free, window, version, report, errors), daemon=True
         )
         sender.start()
-        it = iter(bucket.stream_buckets(tensors, self.config.bucket_bytes))
+        first_bytes, bucket_bytes = self.config.bucket_sizes(self.backend)
+        it = iter(bucket.stream_buckets(tensors, bucket_bytes, first_bytes))
         try:
             for items in it:
                 if errors:
@@ -303,9 +305,7 @@ class WeightSender:
                 t0 = time.perf_counter()
                 need = sum(t.numel() * t.element_size() for _, t in items)
                 if staging is None or staging.numel() < need:
-                    staging = torch.empty(
-                        max(need, self.config.bucket_bytes), dtype=torch.uint8, device=self.device
-                    )
+                    staging = torch.empty(max(need, bucket_bytes), dtype=torch.uint8, device=self.device)
                 buf, spec = bucket.pack(items, out=staging)
                 crc = bucket.checksum(buf) if self.config.verify_checksums else None
                 packed = None
@@ -375,6 +375,7 @@ class WeightSender:
                 report.transfer_s += time.perf_counter() - t0
                 report.buckets += 1
                 report.bytes += buf.numel()
+                report.bucket_sizes.append(buf.numel())
             free.put((staging, sent))
         t0 = time.perf_counter()
         try:

@@ -48,3 +48,20 @@ def test_stream_buckets_yield_before_the_source_is_exhausted():
 
     first = next(iter(bucket.stream_buckets(source(), bucket_bytes=800)))
     assert len(first) == 2 and len(consumed) == 3  # the third tensor closed the first bucket
+
+
+def test_stream_buckets_ramp_from_the_first_bucket_size_up_to_the_bucket_size():
+    tensors = [(f"w{i}", torch.zeros(25)) for i in range(60)]  # 100 bytes each
+    buckets = list(bucket.stream_buckets(tensors, bucket_bytes=800, first_bytes=100))
+    sizes = [sum(t.numel() * t.element_size() for _, t in b) for b in buckets]
+    assert sizes[:5] == [100, 200, 400, 800, 800] and sum(sizes) == 6000
+    assert [n for b in buckets for n, _ in b] == [n for n, _ in tensors]
+
+
+def test_bucket_size_defaults_depend_on_the_backend():
+    from tidal.weights_sync.config import WeightSyncConfig
+
+    assert WeightSyncConfig().bucket_sizes("gloo") == (8 << 20, 64 << 20)
+    assert WeightSyncConfig().bucket_sizes("nccl") == (64 << 20, 512 << 20)
+    explicit = WeightSyncConfig(bucket_bytes=1000, first_bucket_bytes=4000)
+    assert explicit.bucket_sizes("gloo") == (1000, 1000)  # a first bucket never exceeds the bucket size
