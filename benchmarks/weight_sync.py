@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -158,15 +159,17 @@ def run_size(sender: WeightSender, urls: list[str], target: int, args) -> dict |
     model = model_for_bytes(target, dtype.itemsize)
     make = megatron_source(model, args) if args.tp > 1 else local_source(model, args)
     _checked(sender.sync(lambda: make(GatherTimes()), version=0))
-    full, raw = [], []
+    full, raw, raw_cpu = [], [], []
     for repeat in range(args.repeats):
         for url in urls if sender.is_sender else []:
             httpx.post(f"{url}/tidal/reset_stats", json={}, timeout=30).raise_for_status()
         times = GatherTimes()
         _synchronize(args.device)
+        cpu0 = _cpu_s(urls) if sender.is_sender else 0.0
         report = _checked(sender.sync(lambda times=times: make(times), version=repeat + 1))
         if not sender.is_sender:
             continue
+        cpu1 = _cpu_s(urls)
         stats = [httpx.get(f"{u}/tidal/stats", timeout=30).json() for u in urls]
         full.append(
             dict(
@@ -176,11 +179,13 @@ def run_size(sender: WeightSender, urls: list[str], target: int, args) -> dict |
                 pack_s=report.pack_s,
                 transfer_s=report.transfer_s,
                 load_s=max(s["load_s"] for s in stats),
+                cpu_s=cpu1 - cpu0,
                 bytes=report.bytes,
                 buckets=report.buckets,
             )
         )
-        raw.append(raw_broadcast(sender, _bucket_sizes(report.bytes, args.bucket_mb << 20)))
+        raw.append(raw_broadcast(sender, report.bucket_sizes))  # the same broadcasts, bare
+        raw_cpu.append(_cpu_s(urls) - cpu1)
     if not sender.is_sender:
         return None
     nbytes = full[0]["bytes"]
@@ -199,8 +204,19 @@ def run_size(sender: WeightSender, urls: list[str], target: int, args) -> dict |
         ratio=raw_s / med["wall_s"],
         # each sync against the raw broadcast right after it (less exposed to load that changes)
         paired_ratio=statistics.median(r / f["wall_s"] for f, r in zip(full, raw, strict=True)),
-        runs=dict(sync=full, raw=raw),
+        # CPU seconds (this process and the receivers, all threads) per GB moved: what the sync adds
+        # to the bare transfer, which on a small shared CPU is what slows it
+        sync_cpu_s_per_gb=med["cpu_s"] / (nbytes / 1e9),
+        raw_cpu_s_per_gb=statistics.median(raw_cpu) / (nbytes / 1e9),
+        runs=dict(sync=full, raw=raw, raw_cpu_s=raw_cpu),
     )
+
+
+def _cpu_s(urls: list[str]) -> float:
+    """CPU seconds used so far by this process and the receivers (tp=1: the sender is all of the trainer)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    engines = sum(httpx.get(f"{u}/tidal/stats", timeout=30).json()["cpu_s"] for u in urls)
+    return usage.ru_utime + usage.ru_stime + engines
 
 
 def _checked(report):
@@ -212,13 +228,6 @@ def _checked(report):
 def _synchronize(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-
-
-def _bucket_sizes(total: int, bucket: int) -> list[int]:
-    sizes = [bucket] * (total // bucket)
-    if total % bucket:
-        sizes.append(total % bucket)
-    return sizes
 
 
 def main() -> int:
@@ -233,7 +242,10 @@ def main() -> int:
         "a small shared CPU)",
     )
     p.add_argument("--tp", type=int, default=1, help="> 1: a megatron-core model on a TP mesh (torchrun)")
-    p.add_argument("--bucket-mb", type=int, default=WeightSyncConfig().bucket_bytes >> 20)
+    p.add_argument("--bucket-mb", type=int, default=None, help="WeightSyncConfig.bucket_bytes (default: its)")
+    p.add_argument(
+        "--first-bucket-mb", type=int, default=None, help="WeightSyncConfig.first_bucket_bytes (default: its)"
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
@@ -267,7 +279,11 @@ def main() -> int:
         shared = [urls]
         torch.distributed.broadcast_object_list(shared, src=0)
         urls = shared[0]
-    config = WeightSyncConfig(bucket_bytes=args.bucket_mb << 20, timeout_s=600)
+    config = WeightSyncConfig(
+        bucket_bytes=args.bucket_mb << 20 if args.bucket_mb else None,
+        first_bucket_bytes=args.first_bucket_mb << 20 if args.first_bucket_mb else None,
+        timeout_s=600,
+    )
     sender = WeightSender(
         config,
         [EngineEndpoint(u) for u in urls],
@@ -298,7 +314,8 @@ def main() -> int:
         return 0
     meta = dict(
         engines=args.engines,
-        bucket_mb=args.bucket_mb,
+        first_bucket_bytes=config.bucket_sizes(args.backend)[0],
+        bucket_bytes=config.bucket_sizes(args.backend)[1],
         repeats=args.repeats,
         dtype=args.dtype,
         tp=args.tp,
@@ -353,14 +370,16 @@ def _print(results: list[dict], header: bool) -> None:
     if header:
         print(
             f"{'size':>7} {'bytes':>12} {'sync GB/s':>9} {'raw GB/s':>8} {'ratio':>6} {'paired':>6} | "
-            f"{'gather':>7} {'convert':>7} {'pack':>7} {'transfer':>8} {'load':>7} {'wall':>7} (s, medians)"
+            f"{'gather':>7} {'convert':>7} {'pack':>7} {'transfer':>8} {'load':>7} {'wall':>7} (s, medians) | "
+            f"CPU s/GB sync raw"
         )
     for r in results:
         s = r["sync"]
         print(
             f"{r['target_mb']:>5}MB {r['bytes']:>12} {r['sync_gbps']:>9.2f} {r['raw_gbps']:>8.2f} {r['ratio']:>6.2f} {r['paired_ratio']:>6.2f} | "
             f"{s['gather_s']:>7.3f} {s['convert_s']:>7.3f} {s['pack_s']:>7.3f} {s['transfer_s']:>8.3f} "
-            f"{s['load_s']:>7.3f} {s['wall_s']:>7.3f}",
+            f"{s['load_s']:>7.3f} {s['wall_s']:>7.3f}              | "
+            f"{r['sync_cpu_s_per_gb']:>8.2f} {r['raw_cpu_s_per_gb']:>4.2f}",
             flush=True,
         )
 
