@@ -246,6 +246,12 @@ def main() -> int:
     p.add_argument(
         "--first-bucket-mb", type=int, default=None, help="WeightSyncConfig.first_bucket_bytes (default: its)"
     )
+    p.add_argument(
+        "--inflight",
+        type=int,
+        default=None,
+        help="WeightSyncConfig.inflight_buckets (1: one announcement at a time)",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
@@ -283,6 +289,7 @@ def main() -> int:
         bucket_bytes=args.bucket_mb << 20 if args.bucket_mb else None,
         first_bucket_bytes=args.first_bucket_mb << 20 if args.first_bucket_mb else None,
         timeout_s=600,
+        **({"inflight_buckets": args.inflight} if args.inflight else {}),
     )
     sender = WeightSender(
         config,
@@ -316,6 +323,7 @@ def main() -> int:
         engines=args.engines,
         first_bucket_bytes=config.bucket_sizes(args.backend)[0],
         bucket_bytes=config.bucket_sizes(args.backend)[1],
+        inflight_buckets=config.inflight_buckets,
         repeats=args.repeats,
         dtype=args.dtype,
         tp=args.tp,
