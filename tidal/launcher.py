@@ -150,6 +150,7 @@ def main(config: RunConfig, args: list[str]) -> int:
         results = evaluate_all(config, rd, sup, view, files, grpo_wall, opts.control)
         results["sft_wall_s"] = sft_wall
         results["grpo_wall_s"] = grpo_wall
+        results["journal"] = journal_summary(config, rd)
         rd.report.write_text(json.dumps(results, indent=1))
         print_report(results)
         from tidal.plots import write_plots
@@ -164,6 +165,13 @@ def main(config: RunConfig, args: list[str]) -> int:
         return 1
     finally:
         stop_job(sup)
+
+
+def journal_summary(config: RunConfig, rd: RunDir) -> dict:
+    """The broker journal's account of every prompt group (tidal/journal_audit.py)."""
+    from tidal.journal_audit import audit_journal
+
+    return audit_journal(config.broker.journal.dir or rd.root / "journal").as_dict()
 
 
 def stop_job(sup: Supervisor) -> None:
@@ -182,6 +190,8 @@ def warmup_spec(config: RunConfig, rd: RunDir) -> ProcessSpec:
         "trainer.optimizer.min_lr=0.0",
         f"trainer.optimizer.warmup_steps={w.warmup_steps}",
     ]
+    if w.batch_size is not None:  # tidal sft trains batch_groups * group_size sequences per step
+        overrides.append(f"broker.batch_groups={w.batch_size // config.broker.group_size}")
     flags = [f"--init={rd.init_hf}", f"--out={rd.sft}", f"--steps={w.steps}"]
     cmd = torchrun_cmd(config.trainer.nproc, free_port(), "sft", str(rd.config), *overrides, *flags)
     return ProcessSpec(name="sft", cmd=cmd, log=rd.logs / "sft.log", expect_exit=True)
@@ -299,3 +309,11 @@ def print_report(results: dict) -> None:
             acc = results[key]["accuracy"]
             table.add_row(label, f"{100 * acc:.1f}%", f"{100 * (acc - base):+.1f} pts")
     Console().print(table)
+    j = results.get("journal")
+    if j:
+        verdict = "; ".join(j["problems"]) or "no group lost or trained twice"
+        print(
+            f"journal: {j['taken']} groups taken, {j['accepted']} accepted, {j['batched']} in "
+            f"{len(j['batches'])} batches, {j['dropped_stale']} dropped stale, {j['outstanding']} in flight "
+            f"at the end: {verdict}"
+        )
