@@ -83,6 +83,12 @@ class TaskConfig(BaseModel):
     eval_path: str | None = Field(None, description="eval rows (verl JSONL/parquet); None: the task's own")
     num_train: int = Field(20000, ge=1)
     num_eval: int = Field(500, ge=1)
+    num_sft: int | None = Field(
+        1000,
+        ge=1,
+        description="arithmetic: demonstrations in the SFT set (warm-up and control), the first num_sft train "
+        "rows; None: every train row. RL needs only prompts and a verifier, demonstrations are scarce",
+    )
     digits: int = Field(2, ge=1, le=9, description="arithmetic: digits of each (zero-padded) operand")
     overlong_buffer: int = Field(0, ge=0, description="DAPO overlong penalty buffer length; 0: off")
     overlong_penalty: float = Field(1.0, ge=0)

@@ -26,6 +26,9 @@ class WarmupConfig(BaseModel):
         "cosine", description="anneal to zero, so that RL gains are not continued-SFT gains"
     )
     warmup_steps: int = Field(10, ge=0)
+    batch_size: int | None = Field(
+        None, ge=1, description="sequences per warm-up step, a multiple of broker.group_size; None: the RL batch"
+    )
 
 
 class RunConfig(BaseModel):
@@ -42,6 +45,15 @@ class RunConfig(BaseModel):
     trainer: TrainerConfig = TrainerConfig()
     weights_sync: WeightSyncConfig = WeightSyncConfig()
     warmup: WarmupConfig = WarmupConfig()
+
+    @model_validator(mode="after")
+    def _check_warmup_batch(self) -> RunConfig:
+        size = self.warmup.batch_size
+        if size is not None and size % self.broker.group_size:
+            raise ValueError(
+                f"warmup.batch_size={size} must be a multiple of broker.group_size={self.broker.group_size}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_mesh(self) -> RunConfig:

@@ -73,6 +73,7 @@ def _write_arithmetic(config: RunConfig, files: TaskFiles) -> None:
         "digits": task.digits,
         "num_train": task.num_train,
         "num_eval": task.num_eval,
+        "num_sft": task.num_sft,
         "seed": config.seed,
         "charset": DEFAULT_CHARSET,
     }
@@ -90,7 +91,7 @@ def _write_arithmetic(config: RunConfig, files: TaskFiles) -> None:
         raise ConfigError(str(exc)) from None
     write_records(files.train, train)
     write_records(files.eval, evaluation)
-    write_records(files.sft, arithmetic.sft_records(train))
+    write_records(files.sft, arithmetic.sft_records(train[: task.num_sft]))
     save_char_tokenizer(files.tokenizer, DEFAULT_CHARSET)
     manifest_path.write_text(json.dumps(manifest, indent=1))
 
