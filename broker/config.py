@@ -34,6 +34,11 @@ class JournalConfig(BaseModel):
     direct_io: bool = Field(
         True, description="append with O_DIRECT (falls back to the page cache where the file system refuses)"
     )
+    writer: Literal["loop", "thread"] = Field(
+        "loop",
+        description="who writes: 'loop' = the event loop, once per batch of requests handled (group commit, "
+        "no thread wake-ups); 'thread' = a writer thread, so the loop never waits for the device",
+    )
 
 
 class CurveConfig(BaseModel):

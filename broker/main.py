@@ -39,7 +39,8 @@ def build_state(config) -> BrokerState:
         fsync=cfg.journal.fsync,
         fsync_interval_s=cfg.journal.fsync_interval_s,
         direct_io=cfg.journal.direct_io,
-        background=True,
+        background=cfg.journal.writer == "thread",
+        deferred=cfg.journal.writer == "loop",
     )
     state = BrokerState(cfg, source, journal)
     records = journal.open()

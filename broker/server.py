@@ -119,13 +119,26 @@ class BrokerServer:
         self._drain_scheduled = False
         if self.sock.closed:
             return
-        for _ in range(DRAIN_BATCH):
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self._handle(frames[0].bytes, frames[1:])
-        self._kick()  # more may be waiting: come back after the loop's other callbacks
+        try:
+            for _ in range(DRAIN_BATCH):
+                try:
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    return
+                self._handle(frames[0].bytes, frames[1:])
+            self._kick()  # more may be waiting: come back after the loop's other callbacks
+        finally:
+            self._commit()
+
+    def _commit(self) -> None:
+        """With a deferred journal: write what the requests just handled appended, then send the replies
+        that waited for it."""
+        j = self.state.journal
+        if j is None or not j.deferred:
+            return
+        j.commit()
+        if self._held:  # also those a compaction's flush made durable
+            self._release_held(j.durable_seq)
 
     def close(self) -> None:
         if self._monitor is not None:
@@ -143,6 +156,7 @@ class BrokerServer:
             now = time.time()
             self.state.expire(now)
             self._serve_waiters(now)
+            self._commit()
             self._kick()
             self.snapshot = self.stats(now)
             await asyncio.sleep(self.tick_s)

@@ -182,3 +182,41 @@ def test_broker_killed_and_restarted_loses_no_acknowledged_group_and_duplicates_
     finally:
         done.set()
         stop(proc)
+
+
+@pytest.mark.parametrize("writer", ["loop", "thread"])
+def test_compaction_while_serving_answers_every_request_and_survives_a_kill(tmp_path, writer):
+    """Compaction on every report: every reply still comes (none left waiting for the journal), and a
+    broker SIGKILLed right after serves the next batch from the compacted log."""
+    port = free_port()
+    settings = dict(
+        port=port,
+        group_size=2,
+        batch_groups=2,
+        max_staleness=100,
+        journal={"writer": writer, "compact_every_bytes": 1, "compact_dead_per_live": 0},
+    )
+    proc, address = start_broker(tmp_path, 24, **settings)
+    try:
+        with BrokerClient(address, timeout_s=10) as node, BrokerClient(address, timeout_s=10) as trainer:
+            node.register("rollout", "n")
+            trainer.register("trainer", "t")
+            for after in range(-1, 3):
+                lease = node.lease(2)
+                node.submit(lease.lease_id, [fake_group(pg) for pg in lease.groups])
+                batch = trainer.get_batch(after, timeout_s=10)
+                assert batch is not None and batch.batch_id == after + 1
+                trainer.report_consumed(batch.batch_id)  # compacts: the reply must still come
+            lease = node.lease(2)
+            node.submit(lease.lease_id, [fake_group(pg) for pg in lease.groups])
+            pending = sorted(pg.group_id for pg in lease.groups)
+            assert trainer.stats()["journal"]["bytes"] < 40_000  # compacted, not grown with every group
+        kill_tree(proc, signal.SIGKILL)
+        proc.wait()
+        proc, address = start_broker(tmp_path, **settings)
+        with BrokerClient(address, timeout_s=10) as trainer:
+            trainer.register("trainer", "t")
+            batch = trainer.get_batch(3, timeout_s=10)
+            assert batch is not None and sorted(g.group_id for g in batch.groups) == pending
+    finally:
+        stop(proc)
