@@ -44,12 +44,39 @@ def _numel(shape: Iterable[int]) -> int:
     return n
 
 
+class GroupedRows:
+    """A tensor of ``shape`` [groups * rows, ...] whose rows are ``grouped`` ([groups, rows, ...], a strided
+    view) concatenated: what reshaping the view would copy. Packing writes it into the bucket directly,
+    so the live sync copies such a tensor once (megatron's fused QKV rows split into HF's q, k and v)."""
+
+    def __init__(self, grouped: torch.Tensor):
+        self.grouped = grouped
+        self.shape = torch.Size((grouped.shape[0] * grouped.shape[1], *grouped.shape[2:]))
+        self.dtype = grouped.dtype
+        self.device = grouped.device
+
+    def numel(self) -> int:
+        return self.grouped.numel()
+
+    def element_size(self) -> int:
+        return self.grouped.element_size()
+
+    def to(self, dtype: torch.dtype) -> GroupedRows:
+        return GroupedRows(self.grouped.to(dtype))
+
+    def materialize(self) -> torch.Tensor:
+        return self.grouped.reshape(self.shape)
+
+
+Packable = torch.Tensor | GroupedRows
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
 def pack(
-    named_tensors: list[tuple[str, torch.Tensor]], out: torch.Tensor | None = None
+    named_tensors: list[tuple[str, Packable]], out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, BucketSpec]:
     """Copy tensors into one uint8 buffer (``out`` if given, e.g. a reused staging buffer)."""
     if not named_tensors:
@@ -70,7 +97,11 @@ def pack(
                 f"unaligned tensor at byte {offset} for dtype {t.dtype}: keep buckets dtype-homogeneous"
             )
         # copy straight from (possibly strided) views into the bucket: no intermediate contiguous copy
-        buf[offset : offset + n].view(t.dtype).view(t.shape).copy_(t.detach())
+        dst = buf[offset : offset + n].view(t.dtype)
+        if isinstance(t, GroupedRows):
+            dst.view(t.grouped.shape).copy_(t.grouped.detach())
+        else:
+            dst.view(t.shape).copy_(t.detach())
         offset += n
     return buf, spec
 

@@ -150,12 +150,17 @@ def iter_hf(
     groups: Groups,
     times: GatherTimes | None = None,
     dtype: torch.dtype | None = None,
+    packable: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Hugging Face (name, tensor) of this rank's stage, gathered and converted."""
+    """Hugging Face (name, tensor) of this rank's stage, gathered and converted.
+
+    ``packable``: tensors that would need a copy (q/k/v) leave as ``bucket.GroupedRows``, for the live
+    sync's packer; checkpoints and comparisons take plain tensors (the default).
+    """
     times = times if times is not None else GatherTimes()
     for name, full in iter_full_megatron(chunks, mapping, groups, times):
         t0 = time.perf_counter()
-        out = mapping.to_hf(name, full)
+        out = mapping.to_hf(name, full, packable=packable)
         if dtype is not None:
             out = [(n, t.to(dtype)) for n, t in out]
         times.convert_s += time.perf_counter() - t0

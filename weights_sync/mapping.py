@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 
 from tidal.model_config import ModelConfig
+from tidal.weights_sync import bucket
 
 # copy: one HF tensor, same layout. qkv: q/k/v -> megatron's per-group [q heads of group, k, v] rows.
 # glu: gate/up -> rows [gate; up]. vocab: embedding or output rows, padded to the megatron vocab size.
@@ -149,8 +150,14 @@ class WeightMapping:
         return any(regex.match(name) for regex, _ in self._hf_owner)
 
     # ---- tensor conversion --------------------------------------------------------------------
-    def to_hf(self, megatron_name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """Full megatron-core tensor -> its Hugging Face tensors (views where the layout allows)."""
+    def to_hf(
+        self, megatron_name: str, tensor: torch.Tensor, packable: bool = False
+    ) -> list[tuple[str, torch.Tensor]]:
+        """Full megatron-core tensor -> its Hugging Face tensors (views where the layout allows).
+
+        ``packable``: q/k/v leave as ``bucket.GroupedRows`` instead of copies (for ``bucket.pack``,
+        which then copies them once, into the bucket).
+        """
         match = self.rule_for(megatron_name)
         names, fuse = match.hf_names, match.rule.fuse
         if fuse == "copy":
@@ -160,7 +167,10 @@ class WeightMapping:
         if fuse == "glu":
             gate, up = tensor.chunk(2, dim=0)
             return [(names[0], gate), (names[1], up)]
-        q, k, v = unfuse_qkv(tensor, self.model)
+        if packable:
+            q, k, v = (bucket.GroupedRows(t) for t in _qkv_groups(tensor, self.model))
+        else:
+            q, k, v = unfuse_qkv(tensor, self.model)
         return [(names[0], q), (names[1], k), (names[2], v)]
 
     def to_megatron(self, hf: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -228,11 +238,16 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: ModelConf
     return fused.reshape(-1, *rest)
 
 
-def unfuse_qkv(qkv: torch.Tensor, model: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _qkv_groups(qkv: torch.Tensor, model: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views [groups, rows of the group, ...] of q, k and v in megatron's fused rows."""
     groups, per_group, head_dim = _qkv_dims(model)
+    grouped = qkv.reshape(groups, (per_group + 2) * head_dim, *qkv.shape[1:])
+    return grouped.split([per_group * head_dim, head_dim, head_dim], dim=1)
+
+
+def unfuse_qkv(qkv: torch.Tensor, model: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rest = qkv.shape[1:]
-    grouped = qkv.reshape(groups, (per_group + 2) * head_dim, *rest)
-    q, k, v = grouped.split([per_group * head_dim, head_dim, head_dim], dim=1)
+    q, k, v = _qkv_groups(qkv, model)
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 

@@ -59,7 +59,14 @@ class TrainerWeightSync:
     def sync(self, version: int) -> SyncReport:
         self.times = GatherTimes()
         return self.sender.sync(
-            lambda: iter_hf(self.chunks, self.mapping, Groups.from_megatron(), self.times, self.export_dtype),
+            lambda: iter_hf(
+                self.chunks,
+                self.mapping,
+                Groups.from_megatron(),
+                self.times,
+                self.export_dtype,
+                packable=True,
+            ),
             version,
         )
 

@@ -65,3 +65,21 @@ def test_bucket_size_defaults_depend_on_the_backend():
     assert WeightSyncConfig().bucket_sizes("nccl") == (64 << 20, 512 << 20)
     explicit = WeightSyncConfig(bucket_bytes=1000, first_bucket_bytes=4000)
     assert explicit.bucket_sizes("gloo") == (1000, 1000)  # a first bucket never exceeds the bucket size
+
+
+def test_packable_qkv_packs_bitwise_like_the_unfused_copies():
+    from tidal.weights_sync.families import mapping_for
+    from tidal.weights_sync.tiny_models import TINY
+
+    model = TINY["qwen3"]  # 4 heads in 2 query groups: HF's q rows are not a view of the fused rows
+    mapping = mapping_for(model)
+    name = "decoder.layers.1.self_attention.linear_qkv.weight"
+    fused = torch.randn(model.head_dim * (model.num_attention_heads + 2 * model.num_key_value_heads), 64)
+    copies, packable = mapping.to_hf(name, fused), mapping.to_hf(name, fused, packable=True)
+    assert any(isinstance(t, bucket.GroupedRows) for _, t in packable)
+    assert [t.materialize() if isinstance(t, bucket.GroupedRows) else t for _, t in packable][0].equal(
+        copies[0][1]
+    )
+    want, want_spec = bucket.pack(copies)
+    got, got_spec = bucket.pack(packable, out=torch.empty(want.numel() + 64, dtype=torch.uint8))
+    assert got_spec == want_spec and torch.equal(got, want)
