@@ -127,7 +127,7 @@ def local_source(model: ModelConfig, args):
     def make(times: GatherTimes):
         for name, tensor in state.items():
             t0 = time.perf_counter()
-            converted = mapping.to_hf(name, tensor)
+            converted = mapping.to_hf(name, tensor, packable=True)
             times.convert_s += time.perf_counter() - t0
             yield from converted
 
@@ -145,7 +145,7 @@ def megatron_source(model: ModelConfig, args):
     tconfig = models.transformer_config(model, mesh, bf16=args.dtype == "bfloat16")
     chunks = models.build_model(model, tconfig, seed=0)
     mapping = mapping_for(model)
-    return lambda times: iter_hf(chunks, mapping, Groups.from_megatron(), times)
+    return lambda times: iter_hf(chunks, mapping, Groups.from_megatron(), times, packable=True)
 
 
 def run_size(sender: WeightSender, urls: list[str], target: int, args) -> dict | None:
