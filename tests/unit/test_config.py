@@ -113,3 +113,9 @@ def test_cli_reports_bad_config_without_starting(capsys):
 def test_split_args_separates_config_overrides_and_flags():
     cfg, ov, flags = split_args(["configs/tiny.yaml", "a.b=1", "--broker", "tcp://h:1", "--sync"])
     assert (cfg, ov, flags) == ("configs/tiny.yaml", ["a.b=1"], ["--broker", "tcp://h:1", "--sync"])
+
+
+def test_warmup_batch_size_must_be_whole_groups():
+    assert load_config(RunConfig, "configs/tiny.yaml", ["warmup.batch_size=64"]).warmup.batch_size == 64
+    with pytest.raises(ConfigError, match=r"warmup.batch_size=100 must be a multiple of broker.group_size=8"):
+        load_config(RunConfig, "configs/tiny.yaml", ["warmup.batch_size=100"])

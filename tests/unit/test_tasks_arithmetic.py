@@ -119,3 +119,13 @@ def test_arithmetic_task_tokenizes_and_scores_with_hand_computed_ids(tmp_path):
 def test_custom_task_without_a_reward_is_rejected_before_anything_starts():
     with pytest.raises(ConfigError, match="task.name=custom needs task.reward"):
         build(RunConfig, {"task": {"name": "custom"}})
+
+
+def test_the_sft_set_holds_the_first_num_sft_train_rows_and_rl_prompts_all_of_them(tmp_path):
+    files = prepare_task(_config(tmp_path, "task.num_sft=50"), tmp_path)
+    rows = list(read_rows(files.train))
+    sft = [json.loads(line) for line in files.sft.read_text().splitlines()]
+    assert len(rows) == 400 and len(sft) == 50
+    assert [s["prompt"] for s in sft] == [r.prompt for r in rows[:50]]
+    files = prepare_task(_config(tmp_path, "task.num_sft=null"), tmp_path)
+    assert len(files.sft.read_text().splitlines()) == 400
