@@ -20,9 +20,11 @@ can journal and forward the frame as it came.
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import msgpack
@@ -77,16 +79,18 @@ def encode_group(group: Group, alloc: Callable[[int], np.ndarray] | None = None)
 
     ``alloc(nbytes)`` may supply the memory (a uint8 array of at least ``nbytes``), e.g. a reused buffer."""
     ss = group.samples
-    columns: dict[str, Any] = {
-        "rewards": np.array([s.reward for s in ss], np.float64),
-        "prompt_lens": np.array([len(s.prompt_ids) for s in ss], np.int32),
-        "response_lens": np.array([len(s.response_ids) for s in ss], np.int32),
-        SAMPLE_INFO: np.frombuffer(
-            msgpack.packb([[s.finish_reason for s in ss], [s.meta for s in ss]]), np.uint8
-        ),
+    n = len(ss)
+    # Per-sample columns are packed with struct (a handful of values: cheaper than numpy calls).
+    packed: dict[str, tuple[str, int, bytes]] = {
+        "rewards": ("<f8", n, struct.pack(f"<{n}d", *(s.reward for s in ss))),
+        "prompt_lens": ("<i4", n, struct.pack(f"<{n}i", *(len(s.prompt_ids) for s in ss))),
+        "response_lens": ("<i4", n, struct.pack(f"<{n}i", *(len(s.response_ids) for s in ss))),
     }
-    for name in TOKEN_ARRAYS:
-        columns[name] = [_flat(getattr(s, name), name) for s in ss]
+    info = msgpack.packb([[s.finish_reason for s in ss], [s.meta for s in ss]])
+    packed[SAMPLE_INFO] = ("|u1", len(info), info)
+    columns: dict[str, list[np.ndarray]] = {
+        name: [_flat(getattr(s, name), name) for s in ss] for name in TOKEN_ARRAYS
+    }
     if any(s.loss_mask is not None for s in ss):
         columns["loss_mask"] = [
             _flat(s.loss_mask, "loss_mask")
@@ -95,32 +99,35 @@ def encode_group(group: Group, alloc: Callable[[int], np.ndarray] | None = None)
             for s in ss
         ]
     specs, offset = {}, 0
+    for name, (dtype, count, data) in packed.items():
+        specs[name] = [dtype, count, offset]
+        offset += len(data) + _pad(len(data))
     for name, col in columns.items():
-        if isinstance(col, np.ndarray):
-            dt, count = col.dtype, len(col)
-        else:
-            dt = _little(np.result_type(*col)) if col else np.dtype(np.int32)
-            count = sum(len(p) for p in col)
+        dt = _little(np.result_type(*col)) if col else np.dtype(np.int32)
+        count = sum(len(p) for p in col)
         specs[name] = [dt.str, count, offset]
         offset += count * dt.itemsize
         offset += _pad(offset)
-    header = msgpack.packb({"id": group.group_id, "n": len(ss), "meta": group.meta, "arrays": specs})
+    header = msgpack.packb({"id": group.group_id, "n": n, "meta": group.meta, "arrays": specs})
     start = _HEADER_LEN.size + len(header)
     start += _pad(start)
     total = start + offset
     out = np.empty(total, np.uint8) if alloc is None else alloc(total)[:total]
-    _HEADER_LEN.pack_into(out, 0, len(header))
-    out[_HEADER_LEN.size : _HEADER_LEN.size + len(header)] = np.frombuffer(header, np.uint8)
-    out[_HEADER_LEN.size + len(header) : start] = 0
+    view = memoryview(out)
+    _HEADER_LEN.pack_into(view, 0, len(header))
+    view[_HEADER_LEN.size : _HEADER_LEN.size + len(header)] = header
+    view[_HEADER_LEN.size + len(header) : start] = _ZEROS[: start - _HEADER_LEN.size - len(header)]
+    for name, (_, _, data) in packed.items():
+        at = start + specs[name][2]
+        view[at : at + len(data)] = data
+        view[at + len(data) : at + len(data) + _pad(len(data))] = _ZEROS[: _pad(len(data))]
     for name, col in columns.items():
         dtype, count, off = specs[name]
         size = count * np.dtype(dtype).itemsize
-        dst = out[start + off : start + off + size].view(dtype)
-        if isinstance(col, np.ndarray):
-            dst[:] = col
-        elif col and count:
-            np.concatenate(col, out=dst, casting="same_kind")
-        out[start + off + size : start + off + size + _pad(size)] = 0  # no stray memory on the wire
+        if col and count:
+            np.concatenate(col, out=out[start + off : start + off + size].view(dtype), casting="same_kind")
+        at = start + off + size
+        view[at : at + _pad(size)] = _ZEROS[: _pad(size)]  # no stray memory on the wire
     return out
 
 
@@ -131,7 +138,7 @@ def _as_buffer(frame: Any) -> memoryview:
 class _Frame:
     """A validated group frame: the header, and where each array lies (dtype, count, byte offset)."""
 
-    __slots__ = ("buf", "gid", "n", "meta", "specs")
+    __slots__ = ("buf", "gid", "meta", "n", "prompt_lens", "response_lens", "rewards", "specs")
 
     def __init__(self, frame: Any):
         buf = self.buf = _as_buffer(frame)
@@ -197,12 +204,18 @@ class _Frame:
         dt, count, begin = self.specs[name]
         return np.frombuffer(self.buf, dtype=dt, count=count, offset=begin)
 
+    def _per_sample(self, name: str, code: str) -> tuple[Any, ...]:
+        _, count, begin = self.specs[name]
+        return struct.unpack_from(f"<{count}{code}", self.buf, begin)
+
     def _check_samples(self) -> None:
-        p_lens, r_lens = self.column("prompt_lens"), self.column("response_lens")
-        if p_lens.min() < 0 or r_lens.min() < 0:
+        self.prompt_lens = self._per_sample("prompt_lens", "i")
+        self.response_lens = self._per_sample("response_lens", "i")
+        self.rewards = self._per_sample("rewards", "d")
+        if min(self.prompt_lens) < 0 or min(self.response_lens) < 0:
             raise ProtocolError(BAD_GROUP, f"group {self.gid!r}: sample lengths must be non-negative")
-        want = {"prompt_ids": int(p_lens.sum(dtype=np.int64))}
-        want.update(dict.fromkeys(RESPONSE_ARRAYS, int(r_lens.sum(dtype=np.int64))))
+        want = {"prompt_ids": sum(self.prompt_lens)}
+        want.update(dict.fromkeys(RESPONSE_ARRAYS, sum(self.response_lens)))
         for name, (_, count, _) in self.specs.items():
             if name in want and count != want[name]:
                 length = "prompt_lens" if name in PROMPT_ARRAYS else "response_lens"
@@ -211,7 +224,7 @@ class _Frame:
                     f"group {self.gid!r} array {name!r}: {name} has {count} entries, "
                     f"sum({length}) is {want[name]}",
                 )
-        if not np.isfinite(self.column("rewards")).all():
+        if not all(map(math.isfinite, self.rewards)):
             raise ProtocolError(BAD_GROUP, f"group {self.gid!r}: rewards must be finite numbers")
 
 
@@ -228,9 +241,9 @@ def decode_group(frame: Any) -> Group:
             f"group {f.gid!r}: {SAMPLE_INFO} must be msgpack [finish_reasons, metas] of n={f.n}: {exc}",
         ) from None
     cols = {name: f.column(name) for name in f.specs if name in TOKEN_ARRAYS or name == "loss_mask"}
-    p_ends = np.cumsum(f.column("prompt_lens"), dtype=np.int64).tolist()
-    r_ends = np.cumsum(f.column("response_lens"), dtype=np.int64).tolist()
-    rewards = f.column("rewards").tolist()
+    p_ends = list(accumulate(f.prompt_lens))
+    r_ends = list(accumulate(f.response_lens))
+    rewards = f.rewards
     prompt_ids, response_ids = cols["prompt_ids"], cols["response_ids"]
     logprobs, versions, mask = cols["logprobs"], cols["versions"], cols.get("loss_mask")
     samples = []
@@ -264,7 +277,7 @@ def inspect_group(frame: Any) -> GroupInfo:
     return GroupInfo(
         group_id=f.gid,
         num_samples=f.n,
-        rewards=f.column("rewards").tolist(),
+        rewards=list(f.rewards),
         min_version=int(versions.min()) if versions.size else 0,
         num_tokens=f.specs["response_ids"][1],
     )
