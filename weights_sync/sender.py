@@ -47,9 +47,8 @@ class SyncReport:
     pack_s: float = 0.0
     transfer_s: float = 0.0
     wall_s: float = 0.0
-    inflight: int = (
-        0  # announcements ahead of the replies: > 1 when every engine receives in bucket_seq order
-    )
+    # announcements allowed ahead of the replies: > 1 when every engine receives in bucket_seq order
+    inflight: int = 0
     bucket_sizes: list[int] = field(default_factory=list)  # bytes of each bucket sent, in order
     dropped: list[str] = field(default_factory=list)
     engines: list[str] = field(default_factory=list)
