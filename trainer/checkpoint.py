@@ -6,6 +6,13 @@ rank's RNG states, and the loop's progress: optimizer steps taken (the policy ve
 batch consumed, so that a killed trainer resumes without losing or repeating a batch.
 ``<run_dir>/checkpoints/latest`` names the newest complete one; it is written last, after every rank has
 finished saving, so a trainer killed mid-save resumes from the previous checkpoint.
+
+Under ``trainer.optimizer.kind=fsdp2`` (Megatron-FSDP) megatron 0.19's distributed optimizer only offers its
+``fsdp_dtensor`` format, which Megatron-LM's training loop completes with its own torch-DCP glue for uneven
+DTensor shards. tidal saves instead each rank's own shards -- the fp32 main weights (the model is rebuilt
+from them), Adam's moments and step, and the model's persistent buffers (the router's expert bias) -- in
+``fsdp2_rank<R>.pt`` beside the same schedule, RNG and progress.
+Such a checkpoint resumes on the same world size and mesh only (checked, with an error naming both).
 """
 
 from __future__ import annotations
@@ -103,6 +110,120 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def _is_fsdp(state) -> bool:
+    from tidal.trainer.optimizer import is_fsdp
+
+    return is_fsdp(state.chunks[0])
+
+
+def _fsdp_file(path: Path, rank: int) -> Path:
+    return path / f"fsdp2_rank{rank:05d}.pt"
+
+
+def _mesh_signature() -> dict:
+    from megatron.core import parallel_state as ps
+
+    return dict(
+        world=dist.get_world_size(),
+        tp=ps.get_tensor_model_parallel_world_size(),
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        cp=ps.get_context_parallel_world_size(),
+        ep=ps.get_expert_model_parallel_world_size(),
+        etp=ps.get_expert_tensor_parallel_world_size(),
+    )
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _persistent_buffers(chunks) -> list[dict[str, torch.Tensor]]:
+    """Each chunk's buffers that belong to the model's state (e.g. the router's expert bias)."""
+    out = []
+    for chunk in chunks:
+        buffers = {}
+        for prefix, module in unwrap(chunk).named_modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and name not in module._non_persistent_buffers_set:
+                    buffers[f"{prefix}.{name}" if prefix else name] = buffer
+        out.append(buffers)
+    return out
+
+
+def _save_fsdp(state, path: Path, progress: Progress) -> None:
+    shards = []
+    for inner in _inner_optimizers(state):
+        for group in inner.param_groups:
+            for param in group["params"]:
+                moments = inner.state.get(param, {})
+                shards.append(
+                    dict(
+                        shape=tuple(param.shape),
+                        main=_local(param).detach().clone(),
+                        adam={k: _local(v).detach().clone() for k, v in moments.items()},
+                    )
+                )
+    torch.save(
+        dict(
+            format=_FORMAT,
+            mesh=_mesh_signature(),
+            shards=shards,
+            buffers=[
+                {k: v.detach().clone() for k, v in b.items()} for b in _persistent_buffers(state.chunks)
+            ],
+            scheduler=state.scheduler.state_dict(),
+            progress=asdict(progress),
+            rng=_rng_state(),
+        ),
+        _fsdp_file(path, dist.get_rank()),
+    )
+
+
+@torch.no_grad()
+def _load_fsdp(state, path: Path) -> Progress:
+    file = _fsdp_file(path, dist.get_rank())
+    if not file.exists():
+        raise FileNotFoundError(
+            f"{file} is missing: {path} is not an fsdp2 checkpoint of this world size; resume with the "
+            "optimizer kind, world size and mesh it was saved with"
+        )
+    saved = torch.load(file, weights_only=False)
+    if saved["format"] != _FORMAT or saved["mesh"] != _mesh_signature():
+        raise ValueError(
+            f"{path}: an fsdp2 checkpoint holds each rank's own shards and resumes on the mesh it was saved "
+            f"with only: saved {saved['mesh']}, now {_mesh_signature()}"
+        )
+    shards = iter(saved["shards"])
+    for inner in _inner_optimizers(state):
+        for group in inner.param_groups:
+            for param in group["params"]:
+                shard = next(shards)
+                if tuple(param.shape) != shard["shape"]:
+                    raise ValueError(
+                        f"{path}: parameter of shape {tuple(param.shape)} saved as {shard['shape']}"
+                    )
+                _local(param).copy_(shard["main"])
+                moments = {}
+                for key, value in shard["adam"].items():
+                    if key == "step":
+                        moments[key] = value.clone()
+                    else:
+                        moments[key] = torch.zeros_like(param)
+                        _local(moments[key]).copy_(value)
+                inner.state[param] = moments
+    for buffers, saved_buffers in zip(_persistent_buffers(state.chunks), saved["buffers"], strict=True):
+        if buffers.keys() != saved_buffers.keys():
+            raise ValueError(f"{path}: model buffers {sorted(saved_buffers)} do not match {sorted(buffers)}")
+        for name, buffer in buffers.items():
+            buffer.copy_(saved_buffers[name])
+    # the model's (sharded) compute weights from the restored main weights
+    for chunk in state.chunks:
+        chunk.module.install_optimized_model_weights()
+    state.scheduler.load_state_dict(saved["scheduler"])
+    _set_rng_state(saved["rng"])
+    return Progress(**saved["progress"])
+
+
 def save(state, run_dir: str | Path, progress: Progress) -> Path:
     """Save on every rank (collective); returns the checkpoint's directory."""
     from megatron.core import dist_checkpointing
@@ -112,12 +233,15 @@ def save(state, run_dir: str | Path, progress: Progress) -> Path:
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    sd = _sharded_state_dict(state, is_loading=False)
-    sd["scheduler"] = state.scheduler.state_dict()
-    sd["progress"] = asdict(progress)
-    sd["adam_steps"] = _adam_steps(state)
-    sd["format"] = _FORMAT
-    dist_checkpointing.save(sd, str(path))
+    if _is_fsdp(state):
+        _save_fsdp(state, path, progress)
+    else:
+        sd = _sharded_state_dict(state, is_loading=False)
+        sd["scheduler"] = state.scheduler.state_dict()
+        sd["progress"] = asdict(progress)
+        sd["adam_steps"] = _adam_steps(state)
+        sd["format"] = _FORMAT
+        dist_checkpointing.save(sd, str(path))
     dist.barrier()
     if dist.get_rank() == 0:
         tmp = root / "latest.tmp"
@@ -139,6 +263,8 @@ def load(state, path: str | Path) -> Progress:
     from megatron.core import dist_checkpointing
 
     path = Path(path)
+    if _is_fsdp(state):
+        return _load_fsdp(state, path)
     if not (path / "metadata.json").exists():
         raise FileNotFoundError(
             f"{path} is not a dist_checkpointing checkpoint (no metadata.json); "

@@ -86,6 +86,12 @@ class TrainerConfig(BaseModel):
     moe_dispatcher: Literal["alltoall", "allgather"] = Field(
         "alltoall", description="megatron-core's MoE token dispatcher"
     )
+    expert_bias_update_rate: float = Field(
+        1e-3,
+        ge=0,
+        description="aux-loss-free balancing (deepseek_v3): the router's per-expert bias moves this much "
+        "per optimizer step towards equal expert loads (DeepSeek-V3's value); 0 freezes it",
+    )
     batch_timeout_s: float = Field(
         600.0, gt=0, description="how long to wait for the broker's next batch before giving up"
     )

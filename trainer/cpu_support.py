@@ -18,6 +18,9 @@ the behaviour of anything that worked before. :func:`enable` redirects them to t
    directions at once, which pairs an activation with a gradient when pp=2 (interleaved schedule).
 5. Context parallel: Transformer Engine's ring attention is CUDA only, so :mod:`tidal.trainer.attention`
    provides a core attention that all-gathers K/V over the CP group (selected by the model builder).
+6. Megatron-FSDP (``fsdp2``) formats ``f"cuda:{torch.cuda.current_device()}"`` into a device string while
+   it is constructed; :func:`cuda_device_ordinals` makes ``current_device`` return ordinal 0 for that
+   moment only (the device it is given, the CPU, is what it then uses).
 
 :func:`enable` does nothing on a host where CUDA is available, so the GPU path is never touched.
 """
@@ -193,6 +196,25 @@ def _patch_all_to_all() -> None:
         return original(output, input, output_split_sizes, input_split_sizes, *args, **kwargs)
 
     dist.all_to_all_single = all_to_all_single
+
+
+@contextlib.contextmanager
+def cuda_device_ordinals():
+    """While active, ``torch.cuda.current_device()`` returns 0 instead of the CPU device (no-op with CUDA).
+
+    Only for code that builds ``torch.device(f"cuda:{torch.cuda.current_device()}")`` strings: elsewhere
+    megatron passes ``current_device()`` straight to allocations (also in autograd backward functions,
+    which run outside the torch function mode), where the CPU device itself must come back.
+    """
+    if not _ENABLED:
+        yield
+        return
+    cpu_device = torch.cuda.current_device
+    torch.cuda.current_device = lambda: 0
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = cpu_device
 
 
 def enable() -> bool:

@@ -94,7 +94,8 @@ def _broadcast(obj):
 
 def main(config: RunConfig, args: list[str]) -> int:
     from tidal.trainer.advantages import batch_advantages, reward_stats
-    from tidal.trainer.checkpoint import Progress
+    from tidal.trainer.checkpoint import Progress, latest
+    from tidal.trainer.losses import check_loss_setup
     from tidal.trainer.metrics import MetricsWriter
     from tidal.trainer.packing import items_from_groups, split_minibatches
     from tidal.trainer.runner import TrainerRank
@@ -102,20 +103,16 @@ def main(config: RunConfig, args: list[str]) -> int:
 
     opts = parse_options(args)
     tc = config.trainer
-    if tc.loss.kl_coef > 0 or tc.loss.recompute_proximal_logprobs:
-        raise ConfigError(
-            "tidal train does not yet run a reference model or a proximal-logprob pass: set "
-            "trainer.loss.kl_coef=0 and trainer.loss.recompute_proximal_logprobs=false"
-        )
+    check_loss_setup(tc.loss, tc.minibatches_per_batch)
     run_dir = Path(config.run_dir)
     out = Path(opts.out) if opts.out else run_dir / "train"
     export = Path(opts.export) if opts.export else run_dir / "final_hf"
-    trainer = TrainerRank(config, total_steps=tc.steps)
-    progress = trainer.resume(out) if opts.resume == "auto" else None
+    resuming = opts.resume == "auto" and latest(out) is not None
+    # the initial weights: the checkpoint's when resuming; the reference model (KL) loads --init either way
+    trainer = TrainerRank(config, total_steps=tc.steps, init_hf=opts.init, load_init=not resuming)
+    progress = trainer.resume(out) if resuming else None
     if progress is None:
         progress = Progress()
-        if opts.init:
-            trainer.load_hf(opts.init)
     feed = _BatchFeed(opts.broker or config.broker.bind, tc.batch_timeout_s) if trainer.rank == 0 else None
     writer = MetricsWriter(run_dir) if trainer.rank == 0 else None
     push = _WeightPush(config, trainer, feed)
@@ -133,15 +130,21 @@ def main(config: RunConfig, args: list[str]) -> int:
             groups = batch.groups
             advantages = batch_advantages(groups, norm_by_std=tc.loss.norm_adv_by_std)
             adv_by_group = dict(zip((g.group_id for g in groups), advantages, strict=True))
-            for minibatch in split_minibatches(groups, min(tc.minibatches_per_batch, len(groups))):
+            minibatches = split_minibatches(groups, min(tc.minibatches_per_batch, len(groups)))
+            plans = []
+            for minibatch in minibatches:
                 items = items_from_groups(minibatch, [adv_by_group[g.group_id] for g in minibatch])
-                plan = trainer.plan(items)
+                plans.append((minibatch, items, trainer.plan(items)))
+            # the proximal policy is the batch's starting point: every minibatch's logprobs before any update
+            proximal = [trainer.proximal(plan, _train_temperature(config)) for _, _, plan in plans]
+            for (minibatch, items, plan), plan_proximal in zip(plans, proximal, strict=True):
                 loss_fn = make_loss("grpo", tc.loss, plan.normalizer, current_version=progress.step)
                 result = trainer.step(
                     plan,
                     loss_fn,
                     with_entropy=tc.loss.entropy_coef > 0,
                     temperature=_train_temperature(config),
+                    proximal=plan_proximal,
                 )
                 progress.step += 1
                 progress.samples += len(items)
@@ -206,6 +209,7 @@ class _WeightPush:
 
     def after_step(self, step: int) -> float | None:
         """Sync if due; returns the seconds it took (None when there was nothing to sync)."""
+        from tidal.trainer.optimizer import gather_full_weights
         from tidal.weights_sync.engine_api import EngineEndpoint
 
         urls = _broadcast(self.feed.engines() if self.feed else [])
@@ -222,6 +226,7 @@ class _WeightPush:
             self.sync.set_engines(engines)
         self.urls = urls
         started = time.perf_counter()
+        gather_full_weights(self.trainer.state.chunks)  # fsdp2: the sender reads full weights
         report = self.sync.after_step(step, step)
         seconds = time.perf_counter() - started
         if self.trainer.rank == 0 and report is not None:

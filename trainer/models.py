@@ -93,6 +93,9 @@ def _deepseek_v3(m: ModelConfig) -> dict[str, Any]:
         moe_shared_expert_intermediate_size=(m.n_shared_experts * m.moe_intermediate_size) or None,
         moe_router_score_function="sigmoid",
         moe_router_topk_scaling_factor=1.0,
+        # aux-loss-free balancing: routing adds a per-expert bias (HF: e_score_correction_bias), which
+        # megatron moves by the update rate after each optimizer step towards equal expert loads
+        moe_router_enable_expert_bias=True,
     )
 
 
@@ -122,11 +125,14 @@ def transformer_config(
     moe_dispatcher: str = "alltoall",
     pipeline_dtype: torch.dtype | None = None,
     training: bool = True,
+    expert_bias_update_rate: float = 1e-3,
 ):
     """megatron-core's TransformerConfig (MLATransformerConfig for MLA) for ``model`` on ``mesh``.
 
     ``training=False`` (conversion, export, inference) allows meshes whose forward pass is exact but whose
     gradients megatron-core computes wrongly without Transformer Engine (MLA with tp > 1).
+    ``expert_bias_update_rate``: how far the router's expert bias moves per optimizer step (families with
+    an expert bias: deepseek_v3).
     """
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
@@ -170,6 +176,8 @@ def transformer_config(
     )
     if model.is_moe:
         fields["moe_token_dispatcher_type"] = moe_dispatcher
+    if fields.get("moe_router_enable_expert_bias"):
+        fields["moe_router_bias_update_rate"] = expert_bias_update_rate
     from tidal.trainer import cpu_support
 
     if cpu_support.enabled():

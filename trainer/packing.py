@@ -75,6 +75,9 @@ class MicroBatch:
     cu_seqlens_padded: torch.Tensor  # int32 [S+1], sequence positions in the tensors
     max_seqlen: int  # longest padded sequence
     item_index: list[int] = field(default_factory=list)  # index into the plan's items; -1 for filler
+    # Set by the step on this rank's prepared (padded, context-parallel-local) micro-batch, never packed:
+    proximal_logprobs: torch.Tensor | None = None  # float32, the batch's starting policy (no grad)
+    ref_logprobs: torch.Tensor | None = None  # float32, the frozen reference model (no grad)
 
     @property
     def num_tokens(self) -> int:

@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 
 from tidal.config import RunConfig
-from tidal.trainer import checkpoint, models, parallel
-from tidal.trainer.optimizer import build_train_state
+from tidal.trainer import checkpoint, models, parallel, reference
+from tidal.trainer.optimizer import build_train_state, gather_full_weights
 from tidal.trainer.packing import MinibatchPlan, SequenceItem, plan_minibatch
-from tidal.trainer.step import LossFn, StepResult, train_step
+from tidal.trainer.step import LossFn, StepResult, policy_logprobs, train_step
 
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -44,7 +44,21 @@ def _tokenizer_dir(path: str | Path) -> Path | None:
 
 
 class TrainerRank:
-    def __init__(self, config: RunConfig, total_steps: int):
+    """One rank's trainer.
+
+    ``init_hf``: a Hugging Face checkpoint, the initial weights: loaded into the policy (unless
+    ``load_init`` is False, e.g. when a checkpoint will be resumed) before it is wrapped for data
+    parallelism (under ``fsdp2`` the weights are sharded after that), and into the reference model when the
+    loss has a KL term (``trainer.loss.kl_coef > 0``).
+    """
+
+    def __init__(
+        self,
+        config: RunConfig,
+        total_steps: int,
+        init_hf: str | Path | None = None,
+        load_init: bool = True,
+    ):
         self.config = config
         self.model_config = config.model.resolved()
         tc = config.trainer
@@ -57,8 +71,16 @@ class TrainerRank:
             bf16=tc.bf16,
             deterministic=tc.deterministic,
             moe_dispatcher=tc.moe_dispatcher,
+            expert_bias_update_rate=tc.expert_bias_update_rate,
         )
         chunks = models.build_model(self.model_config, self.tconfig, seed=tc.seed)
+        if init_hf is not None and load_init:
+            reference.load_hf(chunks, self.model_config, init_hf)
+        self.reference: list[torch.nn.Module] | None = None
+        if tc.loss.kind == "grpo" and tc.loss.kl_coef > 0:
+            self.reference = reference.build_reference(
+                self.model_config, self.tconfig, seed=tc.seed, init_hf=init_hf
+            )
         self.state = build_train_state(chunks, self.tconfig, tc.optimizer, total_steps)
 
     @property
@@ -84,8 +106,21 @@ class TrainerRank:
             mask_truncated=mask_truncated,
         )
 
+    def proximal(self, plan: MinibatchPlan, temperature: float = 1.0) -> list[torch.Tensor | None] | None:
+        """The proximal logprobs of ``plan`` (current weights, no grad) when the loss recomputes them,
+        else None. Call for every minibatch of a batch before the batch's first step."""
+        loss = self.config.trainer.loss
+        if loss.kind != "grpo" or not loss.recompute_proximal_logprobs:
+            return None
+        return policy_logprobs(self.state, plan.micro_batches(self.dp_rank), temperature)
+
     def step(
-        self, plan: MinibatchPlan, loss_fn: LossFn, with_entropy: bool = False, temperature: float = 1.0
+        self,
+        plan: MinibatchPlan,
+        loss_fn: LossFn,
+        with_entropy: bool = False,
+        temperature: float = 1.0,
+        proximal: list[torch.Tensor | None] | None = None,
     ) -> StepResult:
         return train_step(
             self.state,
@@ -93,28 +128,11 @@ class TrainerRank:
             loss_fn,
             with_entropy=with_entropy,
             temperature=temperature,
+            proximal_logprobs=proximal,
+            reference_chunks=self.reference,
         )
 
     # ------------------------------------------------------------------ weights in and out
-
-    def load_hf(self, directory: str | Path) -> None:
-        """Load a Hugging Face checkpoint (collective)."""
-        from tidal.weights_sync.families import mapping_for
-        from tidal.weights_sync.gather import Groups, load_hf_into_chunks
-        from tidal.weights_sync.hf_io import load_tensors
-
-        tensors = load_tensors(hf_dir(directory))
-        load_hf_into_chunks(
-            [models.unwrap(c) for c in self.state.chunks],
-            tensors,
-            mapping_for(self.model_config),
-            Groups.from_megatron(),
-        )
-        # the distributed optimizer keeps fp32 main copies of bf16 weights: refresh them
-        for opt in getattr(self.state.optimizer, "chained_optimizers", [self.state.optimizer]):
-            reload = getattr(opt, "reload_model_params", None)
-            if reload is not None:
-                reload()
 
     def export_hf(self, directory: str | Path, tokenizer_from: str | Path | None = None) -> None:
         """Write the model as a Hugging Face directory from global rank 0 (collective)."""
@@ -124,6 +142,7 @@ class TrainerRank:
         from tidal.weights_sync.gather import Groups, iter_hf
         from tidal.weights_sync.hf_io import save
 
+        gather_full_weights(self.state.chunks)
         chunks = [models.unwrap(c) for c in self.state.chunks]
         tensors = {
             n: t.detach().float().cpu()

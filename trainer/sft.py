@@ -99,14 +99,14 @@ def main(config: RunConfig, args: list[str]) -> int:
     out = Path(opts.out) if opts.out else Path(config.run_dir) / "sft"
     samples = load_samples(config, opts.data)
     batch = min(config.broker.batch_groups * config.broker.group_size, len(samples))
-    trainer = TrainerRank(config, total_steps=steps)
-    if opts.init:
-        trainer.load_hf(opts.init)
+    loss_config = config.trainer.loss.model_copy(update={"kind": "sft"})
+    # an SFT step has no proximal pass and no reference model, whatever the RL settings say
+    config = config.model_copy(update={"trainer": config.trainer.model_copy(update={"loss": loss_config})})
+    trainer = TrainerRank(config, total_steps=steps, init_hf=opts.init)
     writer = MetricsWriter(out, tensorboard=False) if trainer.rank == 0 else None
     rng = np.random.default_rng(config.trainer.seed)
     order: list[int] = []
     started = time.monotonic()
-    loss_config = config.trainer.loss.model_copy(update={"kind": "sft"})
     try:
         for step in range(1, steps + 1):
             if len(order) < batch:

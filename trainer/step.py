@@ -91,7 +91,11 @@ def equalize_lengths(micro_batches: list[MicroBatch], group=None, device=None) -
 def _to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
     if mb.tokens.device == device:
         return mb
-    moved = {name: getattr(mb, name).to(device, non_blocking=True) for name in _PER_TOKEN}
+    moved = {
+        name: getattr(mb, name).to(device, non_blocking=True)
+        for name in (*_PER_TOKEN, "proximal_logprobs", "ref_logprobs")
+        if getattr(mb, name) is not None
+    }
     return replace(
         mb, **moved, cu_seqlens=mb.cu_seqlens.to(device), cu_seqlens_padded=mb.cu_seqlens_padded.to(device)
     )
@@ -150,51 +154,46 @@ def _cp_seq_reduce(cp_group, cp_size: int):
     return reduce
 
 
-def train_step(
-    state,
-    micro_batches: list[MicroBatch],
-    loss_fn: LossFn,
-    *,
-    with_entropy: bool = False,
-    forward_only: bool = False,
-    temperature: float = 1.0,
-) -> StepResult:
-    """Forward-backward over ``micro_batches`` (this DP rank's), then one optimizer step.
-
-    ``temperature`` divides the logits before log-probabilities are taken: the engines report the
-    logprobs of the temperature-scaled distribution they sampled from, and the importance ratio must
-    compare like with like.
-    """
-    if temperature <= 0:
-        raise ValueError(f"temperature={temperature} must be > 0 (greedy rollouts train at temperature 1)")
+def prepare_micro_batches(chunks, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
+    """This rank's micro-batches as the schedule consumes them: padded where megatron needs equal
+    lengths, cut to this context-parallel rank's tokens. Deterministic, so every pass over the same
+    minibatch (proximal, reference, training) sees the same tokens in the same places."""
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.packed_seq_params import PackedSeqParams
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not micro_batches:
         raise ValueError("train_step needs at least one micro-batch (plan with equal_counts=True)")
-    started = time.perf_counter()
-    chunks = state.chunks
     tconfig = chunks[0].config
-    device = next(chunks[0].parameters()).device  # collectives on NCCL need tensors on the GPU
-    cp_size = ps.get_context_parallel_world_size()
-    cp_rank = ps.get_context_parallel_rank()
-    dp_cp = ps.get_data_parallel_world_size(with_context_parallel=True)
-    scale = float(len(micro_batches) * dp_cp)
-    vocab = _VocabParallel()
-    seq_reduce = _cp_seq_reduce(ps.get_context_parallel_group() if cp_size > 1 else None, cp_size)
+    device = next(chunks[0].parameters()).device
     if tconfig.num_moe_experts and tconfig.moe_token_dispatcher_type == "allgather":
+        # megatron's allgather MoE dispatcher gathers tokens over tp x ep with equal sizes only
         micro_batches = equalize_lengths(micro_batches, device=device)
     if len(chunks) > 1:
         # the interleaved schedule sizes its receive buffers from seq_length, not per micro-batch
         longest = max(mb.num_tokens for mb in micro_batches)
         micro_batches = [pad_micro_batch(mb, longest) for mb in micro_batches]
-    local = [cp_local(mb, cp_size, cp_rank) for mb in micro_batches]
+    cp_size = ps.get_context_parallel_world_size()
+    cp_rank = ps.get_context_parallel_rank()
+    return [cp_local(mb, cp_size, cp_rank) for mb in micro_batches]
 
+
+def _run_schedule(
+    chunks, local: list[MicroBatch], loss_fn: LossFn, *, with_entropy, forward_only, temperature
+):
+    """One pass of megatron's pipeline schedule over prepared micro-batches; returns the loss outputs."""
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be > 0 (greedy rollouts train at temperature 1)")
+    from megatron.core import parallel_state as ps
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    tconfig = chunks[0].config
+    device = next(chunks[0].parameters()).device  # collectives on NCCL need tensors on the GPU
+    cp_size = ps.get_context_parallel_world_size()
+    dp_cp = ps.get_data_parallel_world_size(with_context_parallel=True)
+    scale = float(len(local) * dp_cp)
+    vocab = _VocabParallel()
+    seq_reduce = _cp_seq_reduce(ps.get_context_parallel_group() if cp_size > 1 else None, cp_size)
     tconfig.variable_seq_lengths = len(chunks) == 1
-    tconfig.finalize_model_grads_func = finalize_model_grads
-    tconfig.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
 
     def loss_func(mb: MicroBatch, output: torch.Tensor):
         logits = output.reshape(-1, output.shape[-1])  # [1, T, V/tp] -> [T, V/tp]
@@ -220,11 +219,8 @@ def train_step(
         output = model(mb.tokens[None], mb.position_ids[None], None, packed_seq_params=params)
         return output, partial(loss_func, mb)
 
-    for chunk in chunks:
-        chunk.zero_grad_buffer()
-    state.optimizer.zero_grad()
     iterators = [iter(local) for _ in chunks]
-    outputs = get_forward_backward_func()(
+    return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=iterators if len(chunks) > 1 else iterators[0],
         model=chunks if len(chunks) > 1 else chunks[0],
@@ -233,13 +229,93 @@ def train_step(
         micro_batch_size=1,
         forward_only=forward_only,
     )
+
+
+@torch.no_grad()
+def forward_logprobs(chunks, local: list[MicroBatch], temperature: float = 1.0) -> list[torch.Tensor | None]:
+    """Per-token logprobs of the labels of each prepared micro-batch under ``chunks``' current weights,
+    without gradients (proximal policy, reference model). Entries are None off the last pipeline stage,
+    which is the only one that computes a loss."""
+    from megatron.core import parallel_state as ps
+
+    captured: list[torch.Tensor] = []
+
+    def capture(logprobs, entropy, mb, seq_reduce) -> LossResult:
+        captured.append(logprobs.detach().float())
+        return LossResult(loss=logprobs.new_zeros(()), stats=StepStats())
+
+    # no_grad (the decorator) also keeps a router with an expert bias from counting these tokens towards
+    # its bias update (megatron counts only while grad is enabled)
+    _run_schedule(chunks, local, capture, with_entropy=False, forward_only=True, temperature=temperature)
+    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+        return [None] * len(local)
+    if len(captured) != len(local):
+        raise RuntimeError(f"forward_logprobs: {len(captured)} results for {len(local)} micro-batches")
+    return [lp.to(mb.tokens.device) for lp, mb in zip(captured, local, strict=True)]
+
+
+def policy_logprobs(state, micro_batches: list[MicroBatch], temperature: float = 1.0):
+    """The current policy's logprobs of this DP rank's ``micro_batches``, without gradients: the proximal
+    policy when called before a batch's first update. Pass the result to :func:`train_step`."""
+    return forward_logprobs(state.chunks, prepare_micro_batches(state.chunks, micro_batches), temperature)
+
+
+def train_step(
+    state,
+    micro_batches: list[MicroBatch],
+    loss_fn: LossFn,
+    *,
+    with_entropy: bool = False,
+    forward_only: bool = False,
+    temperature: float = 1.0,
+    proximal_logprobs: list[torch.Tensor | None] | None = None,
+    reference_chunks: list[torch.nn.Module] | None = None,
+) -> StepResult:
+    """Forward-backward over ``micro_batches`` (this DP rank's), then one optimizer step.
+
+    ``temperature`` divides the logits before log-probabilities are taken: the engines report the
+    logprobs of the temperature-scaled distribution they sampled from, and the importance ratio must
+    compare like with like. ``proximal_logprobs``: what :func:`policy_logprobs` returned for these
+    micro-batches before the batch's first update (AReaL's decoupled PPO); they reach the loss as
+    ``mb.proximal_logprobs``. ``reference_chunks``: a frozen model whose logprobs (a pass without grad
+    before the update) reach the loss as ``mb.ref_logprobs`` (KL).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+
+    started = time.perf_counter()
+    chunks = state.chunks
+    tconfig = chunks[0].config
+    device = next(chunks[0].parameters()).device
+    local = prepare_micro_batches(chunks, micro_batches)
+    if proximal_logprobs is not None:
+        if len(proximal_logprobs) != len(local):
+            raise ValueError(
+                f"{len(proximal_logprobs)} proximal logprob tensors for {len(local)} micro-batches: "
+                "pass what policy_logprobs returned for the same micro-batches"
+            )
+        local = [replace(mb, proximal_logprobs=p) for mb, p in zip(local, proximal_logprobs, strict=True)]
+    if reference_chunks is not None:
+        reference = forward_logprobs(reference_chunks, local, temperature)
+        local = [replace(mb, ref_logprobs=r) for mb, r in zip(local, reference, strict=True)]
+
+    tconfig.finalize_model_grads_func = finalize_model_grads
+    tconfig.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+    if not forward_only:
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        state.optimizer.zero_grad()
+    outputs = _run_schedule(
+        chunks, local, loss_fn, with_entropy=with_entropy, forward_only=forward_only, temperature=temperature
+    )
     grad_norm, ok = float("nan"), True
     if not forward_only:
         ok, grad_norm, _ = state.optimizer.step()
         state.scheduler.step(increment=1)
         grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
     stats = _reduce_stats(outputs, device)
-    tokens = torch.tensor(sum(mb.num_tokens for mb in micro_batches), dtype=torch.float64, device=device)
+    cp_size = ps.get_context_parallel_world_size()
+    tokens = torch.tensor(sum(mb.num_tokens for mb in local) * cp_size, dtype=torch.float64, device=device)
     dist.all_reduce(tokens, group=ps.get_data_parallel_group())
     return StepResult(
         loss=stats.get("loss/total", float("nan")),

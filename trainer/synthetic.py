@@ -58,6 +58,8 @@ def make_loss(kind: str, config: LossConfig, normalizer, current_version: int = 
             mb.cu_seqlens_padded,
             normalizer,
             config,
+            proximal_logprobs=mb.proximal_logprobs,
+            ref_logprobs=mb.ref_logprobs,
             entropy=entropy,
             versions=mb.versions,
             current_version=current_version,

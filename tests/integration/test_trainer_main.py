@@ -5,6 +5,10 @@ groups and submits scored groups with synthetic tokens: no engine is needed beca
 groups; with no engine registered the trainer skips weight sync. The trainer runs 2 processes (EP2 on the
 tiny MoE model), checkpoints, exits, and a second launch resumes from the checkpoint with more steps: it
 must continue the policy version and ask for the next batch, never repeating one.
+
+It trains fully sharded (``fsdp2``) with recomputed proximal logprobs (token-level TIS) and a KL term to a
+reference model, two minibatches per batch: the proximal logprobs are the batch's starting policy, so the
+PPO ratio is exactly 1 on a batch's first minibatch step and not on its second (one update later).
 """
 
 from __future__ import annotations
@@ -53,6 +57,11 @@ def _train(tmp: Path, address: str, steps: int) -> subprocess.CompletedProcess:
         "trainer.checkpoint_every=2",
         "trainer.minibatches_per_batch=2",
         "trainer.micro_batch_tokens=64",
+        "trainer.optimizer.kind=fsdp2",
+        "trainer.optimizer.warmup_steps=0",  # the first step moves the weights
+        "trainer.loss.recompute_proximal_logprobs=true",
+        "trainer.loss.tis=token",
+        "trainer.loss.kl_coef=0.01",
         f"broker.bind={address}",
         "--out",
         str(tmp / "train"),
@@ -85,6 +94,10 @@ def test_train_pulls_batches_checkpoints_and_resumes(tmp_path):
     assert [r["batch_id"] for r in records] == [0, 0, 1, 1, 2, 2]
     assert version == 6
     assert all(r["loss"] == r["loss"] and r["grad_norm"] > 0 for r in records)  # finite, training
+    first_minibatch, second_minibatch = records[0::2], records[1::2]
+    assert [r["actor/ratio_mean"] for r in first_minibatch] == [1.0, 1.0, 1.0]
+    assert all(r["actor/ratio_mean"] != 1.0 for r in second_minibatch)
+    assert all(r["loss/kl"] >= 0 for r in records) and records[-1]["loss/kl"] > 0
     latest = json.loads((tmp_path / "train" / "checkpoints" / "latest").read_text())
     assert latest["step"] == 6 and latest["last_batch_id"] == 2
     assert (tmp_path / "final_hf" / "config.json").exists()

@@ -3,9 +3,11 @@
 Run under torchrun by tests/integration/test_trainer_parallel.py:
     torchrun --nproc-per-node N trainer_parallel_worker.py OUT.json STEPS CASE [CASE ...]
 A CASE is ``name:family:key=value,key=value`` with mesh fields (tp, pp, vpp, cp, ep, etp) and
-dispatcher=alltoall|allgather, loss=grpo|sft, save=RUN_DIR with save_after=N (checkpoint after N steps),
+dispatcher=alltoall|allgather, loss=grpo|sft, prox=1 (recompute proximal logprobs before each step, with
+token-level TIS), kl=1 (KL to a frozen reference model built like the policy), save=RUN_DIR with save_after=N (checkpoint after N steps),
 kill=1 (SIGKILL every rank right after that checkpoint), resume=RUN_DIR (continue from its latest checkpoint),
-deterministic=1 (torch deterministic algorithms and megatron's deterministic mode). Rank 0 rewrites OUT after
+deterministic=1 (torch deterministic algorithms and megatron's deterministic mode), opt=dist_opt|fsdp2 (the
+optimizer kind). Rank 0 rewrites OUT after
 every case. The cases of one launch share its process group (megatron's
 parallel state is rebuilt per case), which saves a process start per case on a small machine.
 """
@@ -24,8 +26,9 @@ from tidal.model_config import ModelConfig
 from tidal.trainer import checkpoint, models, parallel
 from tidal.trainer.config import LossConfig, OptimizerConfig
 from tidal.trainer.mesh import MeshConfig
-from tidal.trainer.optimizer import build_train_state
-from tidal.trainer.step import train_step
+from tidal.trainer.optimizer import build_train_state, gather_full_weights
+from tidal.trainer.reference import build_reference
+from tidal.trainer.step import policy_logprobs, train_step
 from tidal.trainer.synthetic import make_loss, plan, synthetic_groups
 
 FAMILIES = {
@@ -68,24 +71,81 @@ def run_case(family: str, opts: dict[str, str], steps: int, on_kill) -> dict:
         model, mesh, moe_dispatcher=opts.get("dispatcher", "alltoall"), deterministic=deterministic
     )
     chunks = models.build_model(model, tconfig, seed=1)
-    state = build_train_state(chunks, tconfig, OptimizerConfig(lr=1e-3, clip_grad=1.0), total_steps=steps)
+    optimizer = OptimizerConfig(kind=opts.get("opt", "dist_opt"), lr=1e-3, clip_grad=1.0)
+    state = build_train_state(chunks, tconfig, optimizer, total_steps=steps)
     groups = synthetic_groups(vocab_size=model.vocab_size, groups=4, group_size=4, seed=0)
     minibatch = plan(groups, dp_size=layout.dp, max_tokens=64, pad_multiple=2 * layout.cp * layout.tp)
     micro_batches = minibatch.micro_batches(ps.get_data_parallel_rank())
-    losses, norms = [], []
+    recompute, with_kl = opts.get("prox") == "1", opts.get("kl") == "1"
+    loss_config = LossConfig(
+        tis="token" if recompute else "off",
+        recompute_proximal_logprobs=recompute,
+        kl_coef=0.1 if with_kl else 0.0,
+    )
+    reference = build_reference(model, tconfig, seed=1) if with_kl else None
+    losses, norms, stats = [], [], []
     first = 0
     if "resume" in opts:
         first = checkpoint.load(state, checkpoint.latest(opts["resume"])).step
     for version in range(first, steps):
-        loss_fn = make_loss(opts.get("loss", "grpo"), LossConfig(), minibatch.normalizer, version)
-        result = train_step(state, micro_batches, loss_fn)
+        loss_fn = make_loss(opts.get("loss", "grpo"), loss_config, minibatch.normalizer, version)
+        proximal = policy_logprobs(state, micro_batches) if recompute else None
+        result = train_step(
+            state,
+            micro_batches,
+            with_input_checks(loss_fn),
+            proximal_logprobs=proximal,
+            reference_chunks=reference,
+        )
         losses.append(result.loss)
         norms.append(result.grad_norm)
+        stats.append(result.stats)
         if "save" in opts and version + 1 == int(opts["save_after"]):
             checkpoint.save(state, opts["save"], checkpoint.Progress(step=version + 1))
             if opts.get("kill") == "1":
                 on_kill(dict(losses=losses, grad_norms=norms, layout=layout.describe(), first_step=first))
-    return dict(losses=losses, grad_norms=norms, layout=layout.describe(), first_step=first)
+    return dict(
+        losses=losses,
+        grad_norms=norms,
+        stats=stats,
+        weights_l1=_weights_l1(state.chunks),
+        expert_bias_l1=_expert_bias_l1(state.chunks),
+        layout=layout.describe(),
+        first_step=first,
+    )
+
+
+def _expert_bias_l1(chunks) -> float:
+    """Sum of |bias| over the routers' expert biases (aux-loss-free balancing) on this rank."""
+    return sum(
+        float(b.abs().sum())
+        for c in chunks
+        for n, b in models.unwrap(c).named_buffers()
+        if n.endswith("router.expert_bias")
+    )
+
+
+def _weights_l1(chunks) -> float:
+    """Sum of |w| over this rank's model parameters as export and weight sync read them (full, unsharded)."""
+    gather_full_weights(chunks)
+    with torch.no_grad():
+        return sum(float(p.detach().abs().sum()) for c in chunks for p in models.unwrap(c).parameters())
+
+
+def with_input_checks(loss_fn):
+    """``loss_fn``, also reporting max |proximal - current| and max |reference - current| logprob on loss
+    tokens (``check/...`` statistics), from the tensors the loss itself receives."""
+
+    def checked(logprobs, entropy, mb, seq_reduce):
+        result = loss_fn(logprobs, entropy, mb, seq_reduce)
+        on_loss = mb.loss_mask > 0
+        for name, other in (("proximal", mb.proximal_logprobs), ("reference", mb.ref_logprobs)):
+            if other is not None and bool(on_loss.any()):
+                gap = (other - logprobs.detach())[on_loss].abs().max()
+                result.stats.add_max(f"check/{name}_minus_current_abs_max", gap)
+        return result
+
+    return checked
 
 
 def main() -> None:

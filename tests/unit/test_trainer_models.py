@@ -63,6 +63,7 @@ _CHILD = textwrap.dedent(
         return dict(
             names=sorted(params), same_seed=same_seed, differ=sorted(other_seed),
             packed_vs_apart=float((packed - apart).abs().max()), logits_shape=list(packed.shape),
+            expert_bias=sorted(n for n, _ in net.named_buffers() if n.endswith("expert_bias")),
         )
 
     cases = json.loads(sys.argv[1])
@@ -73,6 +74,9 @@ _CHILD = textwrap.dedent(
         enabled=cpu_support.enabled(), device=str(on_cpu.device), moved=str(on_cpu.cuda().device),
         type_string=on_cpu.type(), current_device=str(torch.cuda.current_device()),
     )
+    with cpu_support.cuda_device_ordinals():
+        result["cpu_support"]["ordinal_device"] = str(torch.device(f"cuda:{torch.cuda.current_device()}"))
+    result["cpu_support"]["device_after_ordinals"] = str(torch.cuda.current_device())
     print(json.dumps(result))
     """
 )
@@ -101,6 +105,10 @@ def test_family_builds_seeded_and_packs_sequences(built, family):
         assert any("linear_kv_down_proj" in n for n in result["names"])
         assert any("shared_experts" in n for n in result["names"])
         assert not any(n.startswith("decoder.layers.0.mlp.router") for n in result["names"])
+        # aux-loss-free balancing: the MoE layer's router carries the expert bias (HF e_score_correction_bias)
+        assert result["expert_bias"] == ["decoder.layers.1.mlp.router.expert_bias"]
+    else:
+        assert result["expert_bias"] == []
     if family == "qwen3":
         assert any("q_layernorm" in n for n in result["names"])
 
@@ -119,5 +127,12 @@ def test_global_param_name_undoes_pipeline_and_expert_offsets():
 def test_cpu_support_redirects_cuda_calls_on_a_host_without_cuda(built):
     # (this machine has no CUDA; on a CUDA host enable() is a no-op and this path is never taken)
     assert built["cpu_support"] == dict(
-        enabled=True, device="cpu", moved="cpu", type_string="torch.cuda.FloatTensor", current_device="cpu"
+        enabled=True,
+        device="cpu",
+        moved="cpu",
+        type_string="torch.cuda.FloatTensor",
+        current_device="cpu",
+        # Megatron-FSDP formats device strings from current_device() while it is built
+        ordinal_device="cuda:0",
+        device_after_ordinals="cpu",
     )

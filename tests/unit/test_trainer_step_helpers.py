@@ -31,8 +31,9 @@ def test_train_and_sft_flags_parse_and_reject_unknown_ones():
 
 
 def test_train_refuses_losses_the_loop_cannot_feed_before_starting_anything():
-    config = load_run_config(None, ["trainer.loss.kl_coef=0.1"])
-    with pytest.raises(ConfigError, match="kl_coef=0"):
+    # IS corrections over several minibatches need the batch's proximal logprobs
+    config = load_run_config(None, ["trainer.loss.tis=token", "trainer.minibatches_per_batch=2"])
+    with pytest.raises(ValueError, match="recompute_proximal_logprobs=true"):
         train_main(config, [])
 
 
