@@ -24,10 +24,12 @@ and for fp32 training (``trainer.bf16: false``, the tiny CPU runs) 4-byte weight
 master copy and 4-byte activations.
 
 Activations are the tensors each module keeps for backward, per token, in bf16 (softmax statistics and
-router logits in fp32), with flash attention (no s^2 term), sequence parallel when tp > 1, balanced
-routing, and the pipeline's in-flight micro-batches (1F1B: stage r holds pp - r; interleaved: megatron's
-warm-up count). Full recompute keeps each layer's input and one layer's activations. The last stage also
-holds the logits of one micro-batch (bf16 output + fp32 softmax over vocab/tp).
+router logits in fp32), as megatron-core's local spec and tidal's packed core attention keep them (the
+trainer's path without Transformer Engine; docs/planner.md lists them), with sequence parallel when
+tp > 1, balanced routing, and the pipeline's in-flight micro-batches (1F1B: stage r holds pp - r;
+interleaved: megatron's warm-up count) plus each one's stage output. Full recompute keeps each layer's
+input and one layer's activations. The last stage also holds the loss's peak over one micro-batch's
+logits (bf16 output, its fp32 copy, shifted logits and their exponentials over vocab/tp).
 
 The estimate is checked against measured peak memory through :func:`compare_with_measured`.
 """
@@ -48,6 +50,7 @@ GiB = 1 << 30
 BF16 = 2
 FP32 = 4
 OptimizerKind = Literal["dist_opt", "fsdp2"]
+Device = Literal["cuda", "cpu"]
 # layers whose unsharded parameters and gradients FSDP keeps at once (current + prefetched)
 FSDP_UNSHARDED_LAYERS = 2
 
@@ -254,12 +257,34 @@ def total_params(m: ModelConfig) -> tuple[int, int]:
 # activations (elements per token; bf16 unless counted twice for fp32)
 
 
-def _attention_act(m: ModelConfig, kind: str) -> float:
+def _norm_act(width: float, device: Device) -> float:
+    """What an RMSNorm keeps: its input and fp32 1/rms; on CPU torch's composite rms_norm also keeps the
+    normalised input (CUDA has a fused kernel). Its output is counted where the next op keeps it."""
+    return width * (2 if device == "cpu" else 1) + 2
+
+
+def _rope_act(m: ModelConfig, rope_dim: int) -> float:
+    """megatron's unfused rotary embedding keeps its per-token cos and sin tables, for queries and keys."""
+    return 4 * rope_dim
+
+
+def _sdpa_act(heads: int, qk_dim: int, v_dim: int) -> float:
+    """The packed core attention (trainer/attention.py): gathered q, k and v (k and v repeated to all
+    heads for GQA) and the output, each a copy, and the fp32 log-sum-exp."""
+    return 2 * heads * (qk_dim + v_dim) + 2 * heads
+
+
+def _attention_act(m: ModelConfig, kind: str, device: Device = "cuda") -> float:
+    """Elements per token kept by a layer's attention (from its input norm's output on)."""
     h, nh = m.hidden_size, m.num_attention_heads
-    lse = 2 * nh  # fp32 softmax statistics of flash attention
+    composite = device == "cpu"
     if kind in ("gqa", "gated_gqa"):
-        q, kv = nh * m.head_dim, 2 * m.num_key_value_heads * m.head_dim
-        elems = h + 2 * (q + kv) + q + lse  # linear input, q/k/v before and after qk-norm, core output
+        q, k = nh * m.head_dim, m.num_key_value_heads * m.head_dim
+        q_out = q * (2 if kind == "gated_gqa" else 1)
+        elems = h + q_out + 2 * k  # linear_qkv input, its output (the k-norm's input is a view of it)
+        elems += _norm_act(q, device) + (k if composite else 0) + 2  # q-norm (on a copy), k-norm
+        elems += _rope_act(m, int(m.head_dim * m.partial_rotary_factor))
+        elems += _sdpa_act(nh, m.head_dim, m.head_dim) + q  # + linear_proj input
         return elems + (2 * q if kind == "gated_gqa" else 0)  # gate and gated output
     if kind == "gdn":
         key_dim = m.linear_num_key_heads * m.linear_key_head_dim
@@ -269,13 +294,21 @@ def _attention_act(m: ModelConfig, kind: str) -> float:
         return h + 2 * conv_dim + value_dim + 2 * m.linear_num_value_heads + 2 * value_dim
     if kind in ("mla", "mla_dsa"):
         qk_head = m.qk_nope_head_dim + m.qk_rope_head_dim
-        elems = h + 2 * (m.q_lora_rank or 0) + 2 * m.kv_lora_rank + m.qk_rope_head_dim
-        elems += nh * (2 * qk_head + 2 * m.v_head_dim) + lse  # q, k, v, core output
+        q_lora = m.q_lora_rank or 0
+        elems = h  # the down-projections' input
+        elems += _norm_act(q_lora, device) + q_lora  # q latent (the norm's input), q_up's input
+        # kv latent with the rope key (the norm's input is a view of it), kv_up's input
+        kv = m.kv_lora_rank
+        elems += m.qk_rope_head_dim + _norm_act(kv, device) + kv
+        elems += _rope_act(m, m.qk_rope_head_dim)
+        elems += _sdpa_act(nh, qk_head, qk_head)  # megatron pads v to the q/k head width without TE
+        elems += nh * m.v_head_dim  # linear_proj input
         if kind == "mla_dsa":
             elems += _indexer_act(m) + m.index_head_dim
         return elems
     ratio = int(kind.removeprefix("v4_r"))
     d, q = m.head_dim, m.q_lora_rank or 0
+    lse = 2 * nh
     elems = h + 2 * q + 2 * nh * d + 2 * d + nh * d + m.o_groups * m.o_lora_rank + lse
     if ratio:
         elems += (2 if ratio == 4 else 1) * d * 2 / ratio  # compressed kv and gate, per token
@@ -289,28 +322,52 @@ def _indexer_act(m: ModelConfig) -> float:
     return m.index_n_heads * m.index_head_dim + m.index_n_heads + 2 * m.index_topk
 
 
+def _swiglu_act(width: int) -> float:
+    """megatron's unfused SwiGLU MLP from fc1's output on: fc1 output (gate and up), silu(gate), the up
+    half plus glu_linear_offset (a copy), and fc2's input."""
+    return 2 * width + width + width + width
+
+
 def _mlp_act(m: ModelConfig, layer: int) -> tuple[float, float]:
-    """(dense, routed expert) elements per token kept by a layer's MLP."""
+    """(dense, routed expert) elements per token kept by a layer's MLP (from its norm's output on)."""
     h = m.hidden_size
     if not m.is_moe_layer(layer):
-        return h + 3 * m.intermediate_size, 0.0
+        return h + _swiglu_act(m.intermediate_size), 0.0
     shared_width = (
         m.shared_expert_intermediate_size
         if m.family == "qwen3_5_moe"
         else m.n_shared_experts * m.moe_intermediate_size
     )
-    dense = h + 2 * m.num_experts + 3 * shared_width  # input, fp32 router logits, shared expert
-    routed = m.num_experts_per_tok * (2 * h + 3 * m.moe_intermediate_size)  # permuted in/out, fc1, act
+    k = m.num_experts_per_tok
+    # router input (a copy), fp32 scores and top-k probabilities, int64 top-k indices; the shared expert
+    # reads the norm's output
+    dense = h + 2 * m.num_experts + 2 * k + 4 * k + (_swiglu_act(shared_width) if shared_width else 0)
+    # each routed copy: the expert's permuted input, its SwiGLU, the output scaled by the routing
+    # probability (megatron applies it to the activation: the unscaled one is kept), its fp32 probability
+    routed = k * (h + _swiglu_act(m.moe_intermediate_size) + m.moe_intermediate_size + 2)
     return dense, routed
 
 
-def layer_count(m: ModelConfig, layer: int) -> LayerCount:
+def layer_count(m: ModelConfig, layer: int, device: Device = "cuda") -> LayerCount:
     dense_params, expert_params = layer_params(m, layer)
     mlp_dense, mlp_routed = _mlp_act(m, layer)
-    dense = 2 * m.hidden_size + _attention_act(m, m.attention_kind(layer)) + mlp_dense  # + the two norms
+    norms = 2 * _norm_act(m.hidden_size, device)  # input and pre-MLP norms
+    dense = norms + _attention_act(m, m.attention_kind(layer), device) + mlp_dense
     if m.hc_mult:
         dense += 2 * (2 * m.hc_mult * m.hidden_size + m.hidden_size)  # fp32 streams and the mixed input
     return LayerCount(dense_params, expert_params, dense * BF16, mlp_routed * BF16)
+
+
+def head_act(m: ModelConfig, device: Device = "cuda") -> float:
+    """Elements per token the last stage keeps before the output layer: final norm, output layer input."""
+    return _norm_act(m.hidden_size, device) + m.hidden_size
+
+
+def logits_bytes_per_element(bf16: bool) -> float:
+    """Peak bytes per logit of the loss (trainer/step.py: _VocabParallel): the output layer's logits, their
+    fp32 copy (none in fp32 training), the max-shifted logits and their exponentials (kept for backward);
+    backward holds as many fp32 gradients of the same shape."""
+    return (BF16 + FP32 if bf16 else FP32) + 2 * FP32
 
 
 # --------------------------------------------------------------------------------------------------
@@ -373,12 +430,14 @@ def estimate(
     tokens: int,
     counts: list[LayerCount] | None = None,
     bf16: bool = True,
+    device: Device = "cuda",
 ) -> Estimate:
     """Memory of every pipeline stage for micro-batches of ``tokens`` tokens (split over CP).
 
-    ``bf16=False`` is fp32 training (the tiny CPU runs): 4-byte weights and activations.
+    ``bf16=False`` is fp32 training (the tiny CPU runs): 4-byte weights and activations. ``device``: what
+    runs it (on CPU torch's RMSNorm keeps more; see :func:`_norm_act`).
     """
-    counts = counts or [layer_count(model, i) for i in range(model.num_hidden_layers)]
+    counts = counts or [layer_count(model, i, device) for i in range(model.num_hidden_layers)]
     local_tokens = tokens / p.cp
     act_scale = 1 if bf16 else FP32 / BF16
     per_param = PARAM_BYTES[(optimizer, bf16)]
@@ -410,11 +469,15 @@ def estimate(
         per_mb = sum(per_token) * local_tokens
         inputs_only = len(layers) * model.hidden_size * BF16 * act_scale / p.tp * local_tokens
         largest_layer = max(per_token, default=0.0)
+        # megatron's schedule keeps each in-flight micro-batch's stage output until its gradient returns
+        # (deallocate_pipeline_outputs is off): one hidden state per token, not otherwise kept
+        sent = model.hidden_size * BF16 * act_scale / p.tp * local_tokens if rank < p.pp - 1 else 0.0
         flight = in_flight_microbatches(p, rank)
         logits = 0.0
         if rank == p.pp - 1:
-            # the output layer's logits and the loss's fp32 softmax
-            logits = (BF16 * act_scale + FP32) * math.ceil(model.vocab_size / p.tp) * local_tokens
+            # final norm and output layer input, then the loss's peak over the (vocab-sharded) logits
+            logits = head_act(model, device) * BF16 * act_scale / p.tp * local_tokens
+            logits += logits_bytes_per_element(bf16) * math.ceil(model.vocab_size / p.tp) * local_tokens
         result.stages.append(
             StageMemory(
                 stage=rank,
@@ -424,8 +487,8 @@ def estimate(
                 weights=held(per_param.weights),
                 grads=held(per_param.grads),
                 optimizer=held(per_param.optimizer),
-                activations=flight * per_mb,
-                activations_recompute=flight * inputs_only + largest_layer * local_tokens,
+                activations=flight * (per_mb + sent),
+                activations_recompute=flight * (inputs_only + sent) + largest_layer * local_tokens,
                 logits=logits,
                 in_flight=flight,
             )
@@ -440,21 +503,57 @@ def estimate(
 PEAK_DIR = "peak_memory"
 
 
-def write_peak(run_dir: str | Path, rank: int, pp_rank: int, peak_bytes: int) -> Path:
+def write_peak(run_dir: str | Path, rank: int, pp_rank: int, peak_bytes: int, **extra) -> Path:
     """What a trainer rank calls after a step to record its peak memory (one file per rank, no races).
 
     On CUDA ``peak_bytes`` is ``torch.cuda.max_memory_allocated()``. On CPU torch keeps no such counter:
-    use the profiler's memory view (``torch.profiler.profile(profile_memory=True)``), not the RSS, which
-    holds hundreds of MB of interpreter and libraries next to a tiny model's few MB.
+    replay the profiler's allocation events (``torch.profiler.profile(profile_memory=True)``) through
+    :func:`allocation_timeline`, not the RSS, which adds glibc's heap slack and lazily loaded code.
+    ``extra``: more JSON fields, e.g. ``static_bytes`` (live before the measured step: weights, gradient
+    buffers, optimizer state), which :func:`compare_stage` splits the error with.
     """
     path = Path(run_dir) / PEAK_DIR / f"rank{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"rank": rank, "pp_rank": pp_rank, "peak_bytes": int(peak_bytes)}))
+    entry = {"rank": rank, "pp_rank": pp_rank, "peak_bytes": int(peak_bytes), **extra}
+    path.write_text(json.dumps(entry))
     return path
 
 
-def load_measured(path: str | Path) -> dict[int, int]:
-    """Peak bytes per pipeline stage: the largest peak among the ranks of each stage.
+@dataclass
+class AllocationTimeline:
+    peak: int  # the most bytes live at once
+    live_at: dict[str, int]  # bytes live at each mark
+    peak_after: dict[str, int]  # the most bytes live from each mark on, above what was live at it
+
+
+def allocation_timeline(allocations: list[tuple[int, int]], marks: dict[str, int]) -> AllocationTimeline:
+    """Replay (time, +-bytes) allocation events in time order; ``marks`` name points in time.
+
+    Counts only what was allocated after the first event: start recording before the model is built.
+    """
+    order = sorted(allocations)
+    named = sorted(marks.items(), key=lambda item: item[1])
+    live = peak = 0
+    live_at: dict[str, int] = {}
+    peak_after: dict[str, int] = {}
+    next_mark = 0
+    for t, nbytes in order:
+        while next_mark < len(named) and named[next_mark][1] <= t:
+            live_at[named[next_mark][0]] = peak_after[named[next_mark][0]] = live
+            next_mark += 1
+        live += nbytes
+        peak = max(peak, live)
+        for name in live_at:
+            peak_after[name] = max(peak_after[name], live)
+    for name, _t in named[next_mark:]:
+        live_at[name] = peak_after[name] = live
+    return AllocationTimeline(
+        peak=peak, live_at=live_at, peak_after={name: peak_after[name] - live_at[name] for name in live_at}
+    )
+
+
+def measured_stages(path: str | Path) -> dict[int, dict]:
+    """Per pipeline stage, the entry of the rank with the largest ``peak_bytes``.
 
     ``path`` is a run directory or its ``peak_memory/`` folder (one ``rank<N>.json`` per rank, written by
     :func:`write_peak`), or one JSON file ``{"ranks": [{"rank": 0, "pp_rank": 0, "peak_bytes": 123}]}``.
@@ -465,16 +564,23 @@ def load_measured(path: str | Path) -> dict[int, int]:
         entries = [json.loads(f.read_text()) for f in sorted(folder.glob("rank*.json"))]
     else:
         entries = json.loads(path.read_text()).get("ranks", [])
-    peaks: dict[int, int] = {}
+    stages: dict[int, dict] = {}
     for entry in entries:
         stage = int(entry.get("pp_rank", 0))
-        peaks[stage] = max(peaks.get(stage, 0), int(entry["peak_bytes"]))
-    if not peaks:
+        if stage not in stages or int(entry["peak_bytes"]) > int(stages[stage]["peak_bytes"]):
+            stages[stage] = entry
+    if not stages:
         raise ValueError(
             f"{path}: no peak_bytes found; expected a run directory with peak_memory/rank<N>.json files "
             "or a file {'ranks': [{'rank', 'pp_rank', 'peak_bytes'}]}"
         )
-    return peaks
+    return stages
+
+
+def load_measured(path: str | Path) -> dict[int, int]:
+    """Peak bytes per pipeline stage: the largest peak among the ranks of each stage (see
+    :func:`measured_stages` for ``path``)."""
+    return {stage: int(entry["peak_bytes"]) for stage, entry in measured_stages(path).items()}
 
 
 def compare_with_measured(
@@ -488,3 +594,31 @@ def compare_with_measured(
             actual = measured[stage.stage]
             rows.append((stage.stage, predicted, actual, (predicted - actual) / actual))
     return rows
+
+
+def compare_stage(stage: StageMemory, measured: dict, recompute: bool) -> dict:
+    """Estimate against one stage's measured entry, in total and, when the entry has ``static_bytes``,
+    split into static (weights + grads + optimizer state) and dynamic (the step's peak above the static:
+    activations + logits) parts. Errors are (estimate - measured) / measured."""
+    predicted = stage.total_recompute if recompute else stage.total
+    actual = int(measured["peak_bytes"])
+    row = {
+        "stage": stage.stage,
+        "estimate": predicted,
+        "measured": actual,
+        "error": (predicted - actual) / actual,
+        **{k: v for k, v in measured.items() if k not in ("peak_bytes", "pp_rank")},
+    }
+    if "static_bytes" in measured:
+        static = int(measured["static_bytes"])
+        dynamic_est = predicted - stage.static
+        dynamic = actual - static
+        row.update(
+            static_estimate=stage.static,
+            static_measured=static,
+            static_error=(stage.static - static) / static if static else float("nan"),
+            dynamic_estimate=dynamic_est,
+            dynamic_measured=dynamic,
+            dynamic_error=(dynamic_est - dynamic) / dynamic if dynamic else float("nan"),
+        )
+    return row

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tidal.config import RunConfig
 from tidal.errors import ConfigError
 from tidal.memory_model import (
+    Device,
     Estimate,
     GiB,
     LayerCount,
@@ -158,11 +159,12 @@ class Workload:
     tokens: int
     bf16: bool
     counts: tuple[LayerCount, ...]
+    device: Device = "cuda"
 
     @classmethod
-    def of(cls, model: ModelConfig, tokens: int, bf16: bool = True) -> Workload:
-        counts = tuple(layer_count(model, i) for i in range(model.num_hidden_layers))
-        return cls(model, tokens, bf16, counts)
+    def of(cls, model: ModelConfig, tokens: int, bf16: bool = True, device: Device = "cuda") -> Workload:
+        counts = tuple(layer_count(model, i, device) for i in range(model.num_hidden_layers))
+        return cls(model, tokens, bf16, counts, device)
 
 
 @dataclass
@@ -183,7 +185,9 @@ class Evaluated:
 def evaluate(work: Workload, mesh: MeshConfig, world: int, optimizer: OptimizerKind) -> Evaluated:
     p = parallelism(mesh, world, work.model.num_hidden_layers)
     return Evaluated(
-        mesh, world, estimate(work.model, p, optimizer, work.tokens, list(work.counts), work.bf16)
+        mesh,
+        world,
+        estimate(work.model, p, optimizer, work.tokens, list(work.counts), work.bf16, work.device),
     )
 
 
@@ -370,7 +374,7 @@ def report(cfg: RunConfig, model: ModelConfig, world: int, opts: PlanOptions) ->
     errors = plan_errors(model, mesh, world, tokens)
     if errors:
         return 2, out + ["ILLEGAL MESH:"] + [f"  {e}" for e in errors]
-    work = Workload.of(model, tokens, cfg.trainer.bf16)
+    work = Workload.of(model, tokens, cfg.trainer.bf16, cfg.device)
     ev = evaluate(work, mesh, world, optimizer)
     out += accounting_lines(model, ev)
     out += memory_lines(ev.estimate, opts.budget)

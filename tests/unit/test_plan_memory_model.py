@@ -127,8 +127,9 @@ def test_activations_scale_with_tokens_and_split_over_cp_and_tp():
     assert act(MeshConfig(), 1, 4096)[0] == pytest.approx(2 * base)
     assert act(MeshConfig(cp=2), 2, 2048)[0] == pytest.approx(base / 2)
     assert act(MeshConfig(tp=2, sequence_parallel=True), 2, 2048)[0] == pytest.approx(base / 2)
-    # bf16 logits and fp32 softmax over the vocabulary, per token
-    assert base_logits == (BF16 + FP32) * 512 * 2048
+    # final norm (input, fp32 1/rms) and the output layer's input, then over the vocabulary: bf16 logits,
+    # their fp32 copy, the shifted logits and their exponentials (fp32)
+    assert base_logits == ((128 + 2) + 128) * BF16 * 2048 + (BF16 + 3 * FP32) * 512 * 2048
 
 
 def test_full_recompute_keeps_layer_inputs_and_one_layer():
@@ -136,8 +137,9 @@ def test_full_recompute_keeps_layer_inputs_and_one_layer():
     counts = [layer_count(DENSE, i) for i in range(2)]
     first = estimate(DENSE, p, "dist_opt", 1000, counts).stages[0]
     assert first.in_flight == 2 and first.layers == (0,)
-    assert first.activations == 2 * counts[0].dense_act * 1000
-    assert first.activations_recompute == 2 * 128 * BF16 * 1000 + counts[0].dense_act * 1000
+    sent = 128 * BF16 * 1000  # the stage output the schedule keeps per in-flight micro-batch
+    assert first.activations == 2 * (counts[0].dense_act * 1000 + sent)
+    assert first.activations_recompute == 2 * (128 * BF16 * 1000 + sent) + counts[0].dense_act * 1000
 
 
 def test_compare_with_measured_reads_peak_memory_json(tmp_path):
