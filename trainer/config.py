@@ -95,3 +95,17 @@ class TrainerConfig(BaseModel):
     batch_timeout_s: float = Field(
         600.0, gt=0, description="how long to wait for the broker's next batch before giving up"
     )
+
+
+def check_fsdp2_mesh(kind: str, pp: int) -> None:
+    """Megatron-FSDP in megatron-core 0.19 lays its device mesh out as (dp x cp, ep, tp) over the whole world
+    (``mcore_fsdp_adapter._get_dp_tp_mesh``), so a pipeline dimension does not fit.
+
+    Checked when the trainer builds its optimizer, not by the config model: the seed models' planning presets
+    (configs/*.yaml) describe fsdp2 meshes with pp > 1, which the planner still evaluates."""
+    if kind == "fsdp2" and pp > 1:
+        raise ValueError(
+            f"trainer.optimizer.kind=fsdp2 with trainer.mesh.pp={pp}: megatron-core 0.19's Megatron-FSDP "
+            "builds its mesh from dp x cp, ep and tp only and fails with pipeline parallelism; use "
+            "trainer.mesh.pp=1 with fsdp2, or trainer.optimizer.kind=dist_opt with pp > 1"
+        )

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tidal.trainer.config import OptimizerConfig
+from tidal.trainer.config import OptimizerConfig, check_fsdp2_mesh
 
 
 @dataclass
@@ -107,6 +107,7 @@ def build_train_state(
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    check_fsdp2_mesh(config.kind, tconfig.pipeline_model_parallel_size)
     wrapped = wrap_fsdp(chunks, tconfig) if config.kind == "fsdp2" else wrap_ddp(chunks, tconfig)
     opt_config = MegatronOptimizerConfig(
         optimizer="adam",

@@ -10,6 +10,7 @@ from tidal.broker.types import Sample
 from tidal.cli import load_run_config
 from tidal.errors import ConfigError
 from tidal.trainer.attention import cp_token_positions
+from tidal.trainer.config import check_fsdp2_mesh
 from tidal.trainer.main import main as train_main
 from tidal.trainer.main import parse_options as train_options
 from tidal.trainer.packing import SequenceItem, build_micro_batch
@@ -35,6 +36,14 @@ def test_train_refuses_losses_the_loop_cannot_feed_before_starting_anything():
     config = load_run_config(None, ["trainer.loss.tis=token", "trainer.minibatches_per_batch=2"])
     with pytest.raises(ValueError, match="recompute_proximal_logprobs=true"):
         train_main(config, [])
+
+
+def test_fsdp2_with_pipeline_parallelism_is_refused_with_the_reason():
+    # megatron-core 0.19's Megatron-FSDP lays its mesh out over dp x cp, ep and tp only
+    with pytest.raises(ValueError, match="fsdp2 with trainer.mesh.pp=2.*pipeline parallelism"):
+        check_fsdp2_mesh("fsdp2", 2)
+    check_fsdp2_mesh("fsdp2", 1)
+    check_fsdp2_mesh("dist_opt", 2)
 
 
 def test_cp_positions_are_load_balanced_chunks_covering_every_token_once():
