@@ -32,10 +32,10 @@ from tidal.memory_model import (
     GiB,
     LayerCount,
     OptimizerKind,
-    compare_with_measured,
+    compare_stage,
     estimate,
     layer_count,
-    load_measured,
+    measured_stages,
     parallelism,
     total_params,
 )
@@ -423,14 +423,24 @@ def _dist_opt_lines(work: Workload, world: int, mesh: MeshConfig, budget: float)
 
 def _measured_lines(est: Estimate, path: str, recompute: bool) -> list[str]:
     try:
-        measured = load_measured(path)
+        measured = measured_stages(path)
     except (OSError, ValueError, KeyError) as exc:
         raise ConfigError(f"plan: --measured {path}: {exc}") from None
     lines = [f"estimate vs measured peak ({path}, {'full recompute' if recompute else 'no recompute'}):"]
-    for stage, predicted, actual, error in compare_with_measured(est, measured, recompute):
-        lines.append(
-            f"  stage {stage}: estimated {_size(predicted)}, measured {_size(actual)}, error {error:+.1%}"
+    for stage in est.stages:
+        if stage.stage not in measured:
+            continue
+        row = compare_stage(stage, measured[stage.stage], recompute)
+        line = (
+            f"  stage {stage.stage}: estimated {_size(row['estimate'])}, measured {_size(row['measured'])}, "
+            f"error {row['error']:+.1%}"
         )
+        if "static_error" in row:
+            line += (
+                f" (static {_size(row['static_estimate'])} vs {_size(row['static_measured'])}, "
+                f"dynamic {_size(row['dynamic_estimate'])} vs {_size(row['dynamic_measured'])})"
+            )
+        lines.append(line)
     return lines
 
 
