@@ -65,11 +65,17 @@ class _BatchFeed:
         if self.pending is None or self.pending[0] != after:
             self.pending = (after, self.pool.submit(self.fetcher.get_batch, after, None, self.timeout_s))
 
-    def get(self, after: int):
+    def get(self, after: int, wait_s: float | None = None):
+        """Batch ``after + 1`` (None when the broker has none); raises TimeoutError after ``wait_s``
+        (the request stays pending for the next call)."""
         self.prefetch(after)
         _, future = self.pending
+        try:
+            batch = future.result(timeout=wait_s)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError from None
         self.pending = None
-        return future.result()
+        return batch
 
     def engines(self) -> list[str]:
         nodes = self.control.stats().get("nodes", {})
@@ -84,6 +90,27 @@ class _BatchFeed:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.fetcher.close()
         self.control.close()
+
+
+CATCH_UP_POLL_S = 2.0
+
+
+def _next_batch(feed, progress, push: _WeightPush):
+    """The next broker batch (rank 0 fetches, every rank gets it). While it is not there, engines that
+    joined since the last sync get the current weights: the trainer only syncs after a step, so without
+    this a node joining a starved job would generate with old weights whose samples the broker drops as
+    stale, and no batch would ever come."""
+    while True:
+        message = None
+        if feed is not None:
+            try:
+                message = ("batch", feed.get(progress.last_batch_id, CATCH_UP_POLL_S))
+            except TimeoutError:
+                message = ("waiting", None)
+        kind, batch = _broadcast(message)
+        if kind == "batch":
+            return batch
+        push.catch_up(progress.step)
 
 
 def _broadcast(obj):
@@ -122,7 +149,7 @@ def main(config: RunConfig, args: list[str]) -> int:
         last_saved = progress.step
         last_wall = time.perf_counter()
         while progress.step < tc.steps:
-            batch = _broadcast(feed.get(progress.last_batch_id) if feed else None)
+            batch = _next_batch(feed, progress, push)
             if batch is None:
                 break  # the data is exhausted (or the broker gave nothing within batch_timeout_s)
             if feed is not None:
@@ -207,14 +234,10 @@ class _WeightPush:
         self.sync = None
         self.urls: list[str] = []
 
-    def after_step(self, step: int) -> float | None:
-        """Sync if due; returns the seconds it took (None when there was nothing to sync)."""
-        from tidal.trainer.optimizer import gather_full_weights
+    def _engines(self, urls: list[str]) -> None:
+        """Point the sender at ``urls`` (a changed set rebuilds the group at the next sync)."""
         from tidal.weights_sync.engine_api import EngineEndpoint
 
-        urls = _broadcast(self.feed.engines() if self.feed else [])
-        if not urls:
-            return None
         engines = [EngineEndpoint(url) for url in urls]
         if self.sync is None:
             from tidal.weights_sync.trainer_sync import TrainerWeightSync
@@ -225,13 +248,39 @@ class _WeightPush:
         elif urls != self.urls:
             self.sync.set_engines(engines)
         self.urls = urls
+
+    def after_step(self, step: int) -> float | None:
+        """Sync if due; returns the seconds it took (None when there was nothing to sync)."""
+        from tidal.trainer.optimizer import gather_full_weights
+
+        urls = _broadcast(self.feed.engines() if self.feed else [])
+        if not urls:
+            return None
+        self._engines(urls)
         started = time.perf_counter()
         gather_full_weights(self.trainer.state.chunks)  # fsdp2: the sender reads full weights
         report = self.sync.after_step(step, step)
         seconds = time.perf_counter() - started
         if self.trainer.rank == 0 and report is not None:
-            print(f"step {step}: weights to {len(engines)} engine(s) in {seconds:.2f}s")
+            print(f"step {step}: weights to {len(urls)} engine(s) in {seconds:.2f}s")
         return seconds if report is not None else None
+
+    def catch_up(self, step: int) -> None:
+        """Sync the current weights if the broker lists engines the last sync did not reach."""
+        from tidal.trainer.optimizer import gather_full_weights
+
+        urls = _broadcast(self.feed.engines() if self.feed else [])
+        if not urls or urls == self.urls or (self.sync is None and step == 0):
+            return  # at step 0 every engine holds the initial weights
+        self._engines(urls)
+        started = time.perf_counter()
+        gather_full_weights(self.trainer.state.chunks)
+        self.sync.sync(step)
+        if self.trainer.rank == 0:
+            print(
+                f"waiting for a batch: weights of step {step} to {len(urls)} engine(s) (the set changed) "
+                f"in {time.perf_counter() - started:.2f}s"
+            )
 
     def close(self) -> None:
         if self.sync is not None:
