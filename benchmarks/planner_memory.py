@@ -148,7 +148,7 @@ class CpuMeter:
             pass
 
     def result(self) -> dict:
-        from tidal.memory_model import allocation_timeline
+        from tidal.memory_measured import allocation_timeline
 
         events = self.profile.profiler.kineto_results.events()
         allocations = [(e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"]
@@ -243,7 +243,7 @@ def worker(case_name: str, steps: int, out_dir: Path) -> int:
     import torch
     from megatron.core import parallel_state as ps
 
-    from tidal.memory_model import write_peak
+    from tidal.memory_measured import write_peak
     from tidal.trainer import models, parallel
     from tidal.trainer.optimizer import build_train_state
     from tidal.trainer.step import train_step
@@ -346,7 +346,7 @@ def launch(name: str, steps: int, timeout_s: float, work: Path) -> tuple[Path, f
 
 
 def compare_case(name: str, out_dir: Path, seconds: float) -> CaseResult:
-    from tidal.memory_model import compare_stage, measured_stages
+    from tidal.memory_measured import compare_stage, measured_stages
     from tidal.plan import Workload, describe_mesh, evaluate
 
     case = CASES[name]

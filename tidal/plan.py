@@ -26,16 +26,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tidal.config import RunConfig
 from tidal.errors import ConfigError
+from tidal.memory_measured import compare_stage, measured_stages
 from tidal.memory_model import (
     Device,
     Estimate,
     GiB,
     LayerCount,
     OptimizerKind,
-    compare_stage,
     estimate,
     layer_count,
-    measured_stages,
     parallelism,
     total_params,
 )

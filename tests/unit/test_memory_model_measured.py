@@ -2,15 +2,14 @@
 
 import pytest
 
-from tidal.memory_model import (
+from tidal.memory_measured import (
     allocation_timeline,
     compare_stage,
-    estimate,
     load_measured,
     measured_stages,
-    parallelism,
     write_peak,
 )
+from tidal.memory_model import estimate, parallelism
 from tidal.model_config import ModelConfig
 from tidal.trainer.mesh import MeshConfig
 

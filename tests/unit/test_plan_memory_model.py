@@ -7,19 +7,17 @@ import pytest
 
 from tidal.config import RunConfig
 from tidal.configio import load_config
+from tidal.memory_measured import compare_with_measured, load_measured, write_peak
 from tidal.memory_model import (
     BF16,
     FP32,
-    compare_with_measured,
     estimate,
     in_flight_microbatches,
     layer_count,
     layer_params,
-    load_measured,
     parallelism,
     stage_layers,
     total_params,
-    write_peak,
 )
 from tidal.model_config import ModelConfig
 from tidal.trainer.mesh import MeshConfig

@@ -1,0 +1,133 @@
+"""The planner's estimate checked against a real run: per-rank peak files, allocation timelines, and
+the comparison per pipeline stage (``tidal plan --measured``, ``benchmarks/planner_memory.py``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tidal.memory_model import Estimate, StageMemory
+
+PEAK_DIR = "peak_memory"
+
+
+def write_peak(run_dir: str | Path, rank: int, pp_rank: int, peak_bytes: int, **extra) -> Path:
+    """What a trainer rank calls after a step to record its peak memory (one file per rank, no races).
+
+    On CUDA ``peak_bytes`` is ``torch.cuda.max_memory_allocated()``. On CPU torch keeps no such counter:
+    replay the profiler's allocation events (``torch.profiler.profile(profile_memory=True)``) through
+    :func:`allocation_timeline`, not the RSS, which adds glibc's heap slack and lazily loaded code.
+    ``extra``: more JSON fields, e.g. ``static_bytes`` (live before the measured step: weights, gradient
+    buffers, optimizer state), which :func:`compare_stage` splits the error with.
+    """
+    path = Path(run_dir) / PEAK_DIR / f"rank{rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    entry = {"rank": rank, "pp_rank": pp_rank, "peak_bytes": int(peak_bytes), **extra}
+    path.write_text(json.dumps(entry))
+    return path
+
+
+@dataclass
+class AllocationTimeline:
+    peak: int  # the most bytes live at once
+    live_at: dict[str, int]  # bytes live at each mark
+    peak_after: dict[str, int]  # the most bytes live from each mark on, above what was live at it
+
+
+def allocation_timeline(allocations: list[tuple[int, int]], marks: dict[str, int]) -> AllocationTimeline:
+    """Replay (time, +-bytes) allocation events in time order; ``marks`` name points in time.
+
+    Counts only what was allocated after the first event: start recording before the model is built.
+    """
+    order = sorted(allocations)
+    named = sorted(marks.items(), key=lambda item: item[1])
+    live = peak = 0
+    live_at: dict[str, int] = {}
+    peak_after: dict[str, int] = {}
+    next_mark = 0
+    for t, nbytes in order:
+        while next_mark < len(named) and named[next_mark][1] <= t:
+            live_at[named[next_mark][0]] = peak_after[named[next_mark][0]] = live
+            next_mark += 1
+        live += nbytes
+        peak = max(peak, live)
+        for name in live_at:
+            peak_after[name] = max(peak_after[name], live)
+    for name, _t in named[next_mark:]:
+        live_at[name] = peak_after[name] = live
+    return AllocationTimeline(
+        peak=peak, live_at=live_at, peak_after={name: peak_after[name] - live_at[name] for name in live_at}
+    )
+
+
+def measured_stages(path: str | Path) -> dict[int, dict]:
+    """Per pipeline stage, the entry of the rank with the largest ``peak_bytes``.
+
+    ``path`` is a run directory or its ``peak_memory/`` folder (one ``rank<N>.json`` per rank, written by
+    :func:`write_peak`), or one JSON file ``{"ranks": [{"rank": 0, "pp_rank": 0, "peak_bytes": 123}]}``.
+    """
+    path = Path(path)
+    if path.is_dir():
+        folder = path / PEAK_DIR if (path / PEAK_DIR).is_dir() else path
+        entries = [json.loads(f.read_text()) for f in sorted(folder.glob("rank*.json"))]
+    else:
+        entries = json.loads(path.read_text()).get("ranks", [])
+    stages: dict[int, dict] = {}
+    for entry in entries:
+        stage = int(entry.get("pp_rank", 0))
+        if stage not in stages or int(entry["peak_bytes"]) > int(stages[stage]["peak_bytes"]):
+            stages[stage] = entry
+    if not stages:
+        raise ValueError(
+            f"{path}: no peak_bytes found; expected a run directory with peak_memory/rank<N>.json files "
+            "or a file {'ranks': [{'rank', 'pp_rank', 'peak_bytes'}]}"
+        )
+    return stages
+
+
+def load_measured(path: str | Path) -> dict[int, int]:
+    """Peak bytes per pipeline stage: the largest peak among the ranks of each stage (see
+    :func:`measured_stages` for ``path``)."""
+    return {stage: int(entry["peak_bytes"]) for stage, entry in measured_stages(path).items()}
+
+
+def compare_with_measured(
+    est: Estimate, measured: dict[int, int], recompute: bool
+) -> list[tuple[int, float, int, float]]:
+    """(stage, estimated bytes, measured bytes, relative error) for each measured stage."""
+    rows = []
+    for stage in est.stages:
+        if stage.stage in measured:
+            predicted = stage.total_recompute if recompute else stage.total
+            actual = measured[stage.stage]
+            rows.append((stage.stage, predicted, actual, (predicted - actual) / actual))
+    return rows
+
+
+def compare_stage(stage: StageMemory, measured: dict, recompute: bool) -> dict:
+    """Estimate against one stage's measured entry, in total and, when the entry has ``static_bytes``,
+    split into static (weights + grads + optimizer state) and dynamic (the step's peak above the static:
+    activations + logits) parts. Errors are (estimate - measured) / measured."""
+    predicted = stage.total_recompute if recompute else stage.total
+    actual = int(measured["peak_bytes"])
+    row = {
+        "stage": stage.stage,
+        "estimate": predicted,
+        "measured": actual,
+        "error": (predicted - actual) / actual,
+        **{k: v for k, v in measured.items() if k not in ("peak_bytes", "pp_rank")},
+    }
+    if "static_bytes" in measured:
+        static = int(measured["static_bytes"])
+        dynamic_est = predicted - stage.static
+        dynamic = actual - static
+        row.update(
+            static_estimate=stage.static,
+            static_measured=static,
+            static_error=(stage.static - static) / static if static else float("nan"),
+            dynamic_estimate=dynamic_est,
+            dynamic_measured=dynamic,
+            dynamic_error=(dynamic_est - dynamic) / dynamic if dynamic else float("nan"),
+        )
+    return row
