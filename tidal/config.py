@@ -27,7 +27,9 @@ class WarmupConfig(BaseModel):
     )
     warmup_steps: int = Field(10, ge=0)
     batch_size: int | None = Field(
-        None, ge=1, description="sequences per warm-up step, a multiple of broker.group_size; None: the RL batch"
+        None,
+        ge=1,
+        description="sequences per warm-up step, a multiple of broker.group_size; None: the RL batch",
     )
 
 
