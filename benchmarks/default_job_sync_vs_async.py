@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -80,7 +81,7 @@ def main() -> int:
     procs: dict[str, tuple[subprocess.Popen, float]] = {}
     results = {}
     for mode, (run_dir, sync) in runs.items():
-        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
         log = open(work / f"{mode}.log", "w")  # noqa: SIM115 - the child writes to it until it exits
         cmd = job_cmd(args.config, run_dir, args.steps, sync, args.overrides)
         procs[mode] = (subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT), time.time())
