@@ -9,8 +9,10 @@
 # Everything lands in $OUT: suite.log (all output), junit.xml (pytest), results.json (environment,
 # test outcomes, benchmark figures). Off the device, OUT defaults to out/gpu and PYTHON to python3.
 #
-# Settings (environment): STAGES ("tests bench"), BENCHES (which benchmarks, default all three), BUDGET_S (total seconds, 540), PYTEST_ARGS (extra
-# pytest arguments, e.g. "-k engine"), ENGINE_BENCH_ARGS, TRAINER_BENCH_ARGS, WEIGHT_BENCH_ARGS.
+# Settings (environment): STAGES ("tests bench"), BENCHES (which benchmarks, default the first three of
+# engine_throughput trainer_throughput weight_sync planner_memory), BUDGET_S (total seconds, 540),
+# PYTEST_ARGS (extra pytest arguments, e.g. "-k engine"), ENGINE_BENCH_ARGS, TRAINER_BENCH_ARGS,
+# WEIGHT_BENCH_ARGS, PLANNER_BENCH_ARGS.
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -26,6 +28,7 @@ BUDGET_S=${BUDGET_S:-540}
 ENGINE_BENCH_ARGS=${ENGINE_BENCH_ARGS:---dtype bfloat16 --hidden 1024 --layers 16 --vocab 32768 --batch-sizes 1,64,256 --prompt-len 64 --new-tokens 128}
 TRAINER_BENCH_ARGS=${TRAINER_BENCH_ARGS:-}
 WEIGHT_BENCH_ARGS=${WEIGHT_BENCH_ARGS:-}
+PLANNER_BENCH_ARGS=${PLANNER_BENCH_ARGS:-}
 START=$SECONDS
 
 mkdir -p "$OUT" "$WORK/bench"
@@ -107,6 +110,8 @@ if [[ " $STAGES " == *" bench "* ]]; then
     [[ " $BENCHES " == *" trainer_throughput "* ]] && run_bench trainer_throughput $TRAINER_BENCH_ARGS
     # shellcheck disable=SC2086
     [[ " $BENCHES " == *" weight_sync "* ]] && run_bench weight_sync $WEIGHT_BENCH_ARGS
+    # shellcheck disable=SC2086
+    [[ " $BENCHES " == *" planner_memory "* ]] && run_bench planner_memory $PLANNER_BENCH_ARGS
 fi
 
 stage "results.json"
