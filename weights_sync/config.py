@@ -44,6 +44,24 @@ class WeightSyncConfig(BaseModel):
         description="/pause_generation mode around a sync (SGLang's); None: do not pause",
     )
     retries: int = Field(1, ge=0, description="attempts after one that lost an engine (rebuilt without it)")
+    transport: Literal["auto", "collective", "cuda_ipc"] = Field(
+        "auto",
+        description="how buckets reach the engines: 'collective' (a weight-update group: gloo on CPU, NCCL "
+        "on GPUs), 'cuda_ipc' (colocated: CUDA IPC handles through /update_weights_from_tensor, trainer and "
+        "engines on the same GPU); 'auto': cuda_ipc when every engine reports the trainer's GPU, else "
+        "collective",
+    )
+    colocated_sleep: bool = Field(
+        True,
+        description="colocated (cuda_ipc) only: the engines release their GPU memory while the trainer "
+        "steps (/release_memory_occupation, after pausing with mode='retract') and retake it before the "
+        "weights arrive (/resume_memory_occupation)",
+    )
+    colocated_sleep_tags: list[Literal["kv_cache", "weights", "cuda_graph"]] = Field(
+        default_factory=lambda: ["kv_cache", "cuda_graph"],
+        description="what the engines release while the trainer steps (SGLang's tags); 'weights' also "
+        "frees the engine's weights (kept in pinned host memory and copied back on wake)",
+    )
 
     def bucket_sizes(self, backend: str) -> tuple[int, int]:
         """(first bucket, bucket) in bytes for a group on ``backend``, with the defaults filled in."""
