@@ -166,6 +166,7 @@ def main(config: RunConfig, args: list[str]) -> int:
             proximal = [trainer.proximal(plan, _train_temperature(config)) for _, _, plan in plans]
             for (minibatch, items, plan), plan_proximal in zip(plans, proximal, strict=True):
                 loss_fn = make_loss("grpo", tc.loss, plan.normalizer, current_version=progress.step)
+                push.before_step()
                 result = trainer.step(
                     plan,
                     loss_fn,
@@ -248,6 +249,11 @@ class _WeightPush:
         elif urls != self.urls:
             self.sync.set_engines(engines)
         self.urls = urls
+
+    def before_step(self) -> None:
+        """Colocated engines release their GPU memory while the trainer steps (weights_sync.colocated_sleep)."""
+        if self.sync is not None:
+            self.sync.before_step()
 
     def after_step(self, step: int) -> float | None:
         """Sync if due; returns the seconds it took (None when there was nothing to sync)."""

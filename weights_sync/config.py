@@ -58,9 +58,10 @@ class WeightSyncConfig(BaseModel):
         "weights arrive (/resume_memory_occupation)",
     )
     colocated_sleep_tags: list[Literal["kv_cache", "weights", "cuda_graph"]] = Field(
-        default_factory=lambda: ["kv_cache", "cuda_graph"],
+        default_factory=lambda: ["kv_cache"],
         description="what the engines release while the trainer steps (SGLang's tags); 'weights' also "
-        "frees the engine's weights (kept in pinned host memory and copied back on wake)",
+        "frees the engine's weights (kept in pinned host memory and copied back on wake); 'cuda_graph' "
+        "drops the decode graphs (recaptured on wake, which costs about a second per wake)",
     )
 
     def bucket_sizes(self, backend: str) -> tuple[int, int]:

@@ -12,6 +12,7 @@ import socket
 import torch
 
 from tidal.model_config import ModelConfig
+from tidal.weights_sync.colocated import ColocatedSender, resolve_transport
 from tidal.weights_sync.config import WeightSyncConfig
 from tidal.weights_sync.engine_api import EngineEndpoint
 from tidal.weights_sync.families import mapping_for
@@ -42,15 +43,27 @@ class TrainerWeightSync:
             and ps.get_data_parallel_rank(with_context_parallel=True) == 0
         )
         cuda = torch.cuda.is_available() and next(chunks[0].parameters()).is_cuda
-        self.sender = WeightSender(
-            config,
-            engines,
-            stage=ps.get_pipeline_model_parallel_rank(),
-            is_sender=is_sender,
-            backend="nccl" if cuda else "gloo",
-            master_address=config.master_address or _host_address(),
-            device=torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu",
-        )
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        # colocated (engines on this GPU): CUDA IPC handles instead of a collective group
+        self.transport = resolve_transport(config, engines, device)
+        if self.transport == "cuda_ipc":
+            self.sender = ColocatedSender(
+                config,
+                engines,
+                device=device,
+                stage=ps.get_pipeline_model_parallel_rank(),
+                is_sender=is_sender,
+            )
+        else:
+            self.sender = WeightSender(
+                config,
+                engines,
+                stage=ps.get_pipeline_model_parallel_rank(),
+                is_sender=is_sender,
+                backend="nccl" if cuda else "gloo",
+                master_address=config.master_address or _host_address(),
+                device=device,
+            )
 
     def set_engines(self, engines: list[EngineEndpoint]) -> None:
         """Membership changed: the next sync rebuilds the group and sends everything to the new set."""
@@ -70,8 +83,17 @@ class TrainerWeightSync:
             version,
         )
 
+    def before_step(self) -> None:
+        """Colocated with ``colocated_sleep``: the engines give their GPU memory back while this rank trains."""
+        if self.transport == "cuda_ipc" and self.config.colocated_sleep:
+            self.sender.sleep()
+
     def after_step(self, step: int, version: int) -> SyncReport | None:
-        return self.sync(version) if step % self.config.every_steps == 0 else None
+        if step % self.config.every_steps == 0:
+            return self.sync(version)  # a colocated sync wakes sleeping engines first
+        if self.transport == "cuda_ipc":
+            self.sender.wake()
+        return None
 
     def close(self) -> None:
         self.sender.close()
