@@ -11,7 +11,11 @@ being loaded (``ORDERED_BUCKETS``: such an engine lets the sender announce the n
 previous one is answered). Announcements travel on separate HTTP connections and may arrive out of
 order; ``seq`` (tidal's ``bucket_seq`` extension, 0, 1, 2, ... per group) makes each handler wait for
 its turn, so receives follow the sender's broadcast order. Without ``seq`` receives run in arrival
-order, one at a time, as in SGLang.
+order, one at a time, as in SGLang. ``receive_tensors`` is SGLang's other load format (one broadcast per
+tensor, into fresh tensors); it takes its turn like a bucket.
+
+``stats`` counts what was received and how long receives and loads took (the stand-in's and the
+engine's ``/tidal/stats``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -38,6 +43,17 @@ class BucketOrderError(RuntimeError):
     """A bucket's turn never came (a predecessor was lost) or its sequence number was already used."""
 
 
+@dataclass
+class ReceiveStats:
+    buckets: int = 0
+    bytes: int = 0
+    receive_s: float = 0.0  # from the announcement's arrival to its bytes' arrival (turn wait included)
+    load_s: float = 0.0  # from the bytes' arrival until the handler released them
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
 class _Slot:
     """One receive buffer; held from the receive until its bucket is loaded."""
 
@@ -52,6 +68,7 @@ class _GroupState:
         self.turn = threading.Condition()
         self.next_seq = 0  # the bucket whose turn it is to receive
         self.issued = 0  # one past the highest bucket announced so far
+        self.waiting = 0  # handlers waiting for their turn
         self.closed = False
         self.slots = (_Slot(), _Slot())
         self.stream = None  # CUDA: the stream receives run on
@@ -78,6 +95,18 @@ class WeightReceiver:
         self.timeout_s = timeout_s
         self._groups: dict[str, _GroupState] = {}
         self._lock = threading.Lock()
+        self.stats = ReceiveStats()
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self.stats = ReceiveStats()
+
+    def _count(self, nbytes: int, receive_s: float, load_s: float) -> None:
+        with self._lock:
+            self.stats.buckets += 1
+            self.stats.bytes += nbytes
+            self.stats.receive_s += receive_s
+            self.stats.load_s += load_s
 
     def init_group(
         self,
@@ -121,6 +150,16 @@ class WeightReceiver:
         with self._lock:
             return sorted(self._groups)
 
+    @property
+    def waiting(self) -> int:
+        """Handlers waiting for their bucket's turn, over all groups."""
+        with self._lock:
+            states = list(self._groups.values())
+        return sum(state.waiting for state in states)
+
+    def group(self, group_name: str) -> transport.WeightGroup:
+        return self._state(group_name).group
+
     def _state(self, group_name: str) -> _GroupState:
         with self._lock:
             state = self._groups.get(group_name)
@@ -129,6 +168,25 @@ class WeightReceiver:
                 f"weight-update group {group_name!r} does not exist: call init_weights_update_group first"
             )
         return state
+
+    @contextmanager
+    def _turn(self, state: _GroupState, group_name: str, seq: int | None) -> Iterator[int]:
+        """Wait for ``seq``'s turn (arrival order without it); the next turn starts when the block exits."""
+        with state.turn:
+            if seq is None:  # arrival order
+                seq = state.issued
+            state.issued = max(state.issued, seq + 1)
+            state.waiting += 1
+            try:
+                self._wait_for_turn(state, seq, group_name)
+            finally:
+                state.waiting -= 1
+        try:
+            yield seq
+        finally:
+            with state.turn:  # the next bucket may go on even after a failure: the sender drops us anyway
+                state.next_seq = seq + 1
+                state.turn.notify_all()
 
     @contextmanager
     def receive(
@@ -142,17 +200,13 @@ class WeightReceiver:
         seq: int | None = None,
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Receive one flattened bucket; yields views of its tensors, valid until the block exits."""
-        spec = bucket.BucketSpec(names=list(names), dtypes=list(dtypes), shapes=[list(s) for s in shapes])
+        t0 = time.perf_counter()
+        spec = _spec(names, dtypes, shapes)
         nbytes = spec.nbytes  # raises ValueError naming a bad dtype or shape before any receive
         state = self._state(group_name)
-        with state.turn:
-            if seq is None:  # arrival order
-                seq = state.issued
-            state.issued = max(state.issued, seq + 1)
-            self._wait_for_turn(state, seq, group_name)
-        # our turn: the other handlers wait for next_seq, which moves only once this receive is done
-        slot = state.slots[seq % 2]
-        try:
+        with self._turn(state, group_name, seq) as seq:
+            # our turn: the other handlers wait for next_seq, which moves only once this receive is done
+            slot = state.slots[seq % 2]
             # bucket seq-2 used this buffer: its handler must have loaded it (normally long done)
             if not slot.lock.acquire(timeout=self.timeout_s):
                 raise BucketOrderError(f"group {group_name}: bucket {seq - 2} was never loaded")
@@ -162,10 +216,7 @@ class WeightReceiver:
             except BaseException:
                 slot.lock.release()
                 raise
-        finally:
-            with state.turn:  # the next bucket may go on even after a failure: the sender drops us anyway
-                state.next_seq = seq + 1
-                state.turn.notify_all()
+        t1 = time.perf_counter()
         try:
             if arrived is not None:
                 arrived.synchronize()  # NCCL's wait() only orders a stream: wait for the bytes themselves
@@ -179,6 +230,32 @@ class WeightReceiver:
             if arrived is not None:  # the caller's load read this buffer on its stream: finish it first
                 torch.cuda.current_stream(buf.device).synchronize()
             slot.lock.release()
+            self._count(nbytes, t1 - t0, time.perf_counter() - t1)
+
+    def receive_tensors(
+        self,
+        *,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        seq: int | None = None,
+    ) -> list[tuple[str, torch.Tensor]]:
+        """SGLang's per-tensor load format: one broadcast per tensor, each into a fresh tensor."""
+        t0 = time.perf_counter()
+        spec = _spec(names, dtypes, shapes)
+        nbytes = spec.nbytes
+        state = self._state(group_name)
+        received = []
+        with self._turn(state, group_name, seq):
+            for name, dtype, shape in zip(spec.names, spec.dtypes, spec.shapes, strict=True):
+                t = torch.empty(shape, dtype=bucket._dtype(dtype), device=self.device)
+                arrived = _broadcast_on_side_stream(state, t)
+                if arrived is not None:
+                    arrived.synchronize()
+                received.append((name, t))
+        self._count(nbytes, time.perf_counter() - t0, 0.0)
+        return received
 
     def _wait_for_turn(self, state: _GroupState, seq: int, group_name: str) -> None:
         if seq < state.next_seq:
@@ -213,3 +290,12 @@ class WeightReceiver:
             for n in sizes:
                 state.group.broadcast(buf[:n], src=0)
             state.group.barrier()
+
+
+def _spec(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> bucket.BucketSpec:
+    if not (len(names) == len(dtypes) == len(shapes)) or not names:
+        raise ValueError(
+            f"names, dtypes and shapes must be non-empty lists of one length, got "
+            f"{len(names)}, {len(dtypes)}, {len(shapes)}"
+        )
+    return bucket.BucketSpec(names=list(names), dtypes=list(dtypes), shapes=[list(s) for s in shapes])

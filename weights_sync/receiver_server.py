@@ -3,9 +3,12 @@
     python -m tidal.weights_sync.receiver_server --host 127.0.0.1 --port 30000
 
 It receives buckets with ``WeightReceiver`` exactly as an engine does and keeps the tensors in a
-dict; ``POST /tidal/save_weights {"path": DIR}`` writes them as a Hugging Face directory and
-``GET /tidal/stats`` reports bytes and seconds spent receiving and loading. The real engines are
-``tidal serve`` and SGLang; this serves the sender's tests and the benchmark without a model.
+dict; ``POST /tidal/save_weights {"path": DIR}`` writes them as a Hugging Face directory. The real
+engines are ``tidal serve`` and SGLang; this serves the sender's tests and the benchmark without a model.
+
+``receiver_routes`` are the benchmark's routes, served by this stand-in and by ``tidal serve``:
+``GET /tidal/stats`` (bytes and seconds spent receiving and loading, the process's CPU seconds),
+``POST /tidal/reset_stats`` and ``POST /tidal/raw_receive`` (plain broadcasts: the transport's ceiling).
 """
 
 from __future__ import annotations
@@ -13,29 +16,67 @@ from __future__ import annotations
 import argparse
 import resource
 import threading
-import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse
 
 from tidal.weights_sync import hf_io
 from tidal.weights_sync.receiver import ORDERED_BUCKETS, WeightReceiver
 
 
+def _fail(message: str, status: int = 400) -> JSONResponse:
+    return JSONResponse({"success": False, "message": message}, status_code=status)
+
+
+def receiver_routes(receiver: WeightReceiver, extra_stats: Callable[[], dict[str, Any]] | None = None):
+    """tidal's benchmark routes over ``receiver`` (``extra_stats``: more fields for ``/tidal/stats``)."""
+    router = APIRouter()
+
+    # plain ``def`` handlers run in the thread pool: they block in collectives without stalling the loop
+    @router.post("/tidal/raw_receive")
+    def raw_receive(body: dict[str, Any]):
+        """Receive plain broadcasts of the given byte sizes (the benchmark's transport ceiling)."""
+        sizes = [int(n) for n in body["sizes"]]
+        try:
+            receiver.receive_raw(sizes, body.get("group_name", "weight_update_group"))
+        except Exception as exc:
+            return _fail(f"raw receive failed: {type(exc).__name__}: {exc}")
+        return {"success": True, "message": "ok"}
+
+    @router.get("/tidal/stats")
+    def stats():
+        usage = resource.getrusage(resource.RUSAGE_SELF)  # all threads of this process
+        return {
+            **receiver.stats.as_dict(),
+            **(extra_stats() if extra_stats is not None else {}),
+            "groups": receiver.group_names,
+            "waiting": receiver.waiting,
+            "cpu_s": usage.ru_utime + usage.ru_stime,
+        }
+
+    @router.post("/tidal/reset_stats")
+    def reset_stats(body: dict[str, Any]):
+        receiver.reset_stats()
+        return {"success": True, "message": "ok"}
+
+    return router
+
+
 def build_app(timeout_s: float = 60.0) -> FastAPI:
     app = FastAPI()
     receiver = WeightReceiver("cpu", timeout_s)
     weights: dict[str, torch.Tensor] = {}
-    state: dict[str, Any] = {"version": None, "open": False, "receive_s": 0.0, "load_s": 0.0, "bytes": 0}
+    state: dict[str, Any] = {"version": None, "open": False}
     lock = threading.Lock()
+    app.include_router(
+        receiver_routes(receiver, lambda: {"version": state["version"], "tensors": len(weights)})
+    )
 
     def ok(message: str = "ok") -> dict[str, Any]:
         return {"success": True, "message": message}
-
-    def fail(message: str, status: int = 400) -> JSONResponse:
-        return JSONResponse({"success": False, "message": message}, status_code=status)
 
     def load(tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Copy into the kept weights (an engine's load): buckets hold distinct names, so no lock."""
@@ -50,7 +91,6 @@ def build_app(timeout_s: float = 60.0) -> FastAPI:
             # bucket's receive runs on another)
             torch.cuda.current_stream().synchronize()
 
-    # plain ``def`` handlers run in the thread pool: they block in collectives without stalling the loop
     @app.post("/init_weights_update_group")
     def init_group(body: dict[str, Any]):
         if body.get("backend", "gloo") == "nccl":
@@ -65,13 +105,13 @@ def build_app(timeout_s: float = 60.0) -> FastAPI:
                 backend=body.get("backend", "gloo"),
             )
         except Exception as exc:
-            return fail(f"init_weights_update_group failed: {exc}")
+            return _fail(f"init_weights_update_group failed: {exc}")
         return {**ok(), **ORDERED_BUCKETS}
 
     @app.post("/destroy_weights_update_group")
     def destroy_group(body: dict[str, Any]):
         name = body.get("group_name", "weight_update_group")
-        return ok() if receiver.destroy_group(name) else fail(f"no group {name!r}")
+        return ok() if receiver.destroy_group(name) else _fail(f"no group {name!r}")
 
     @app.post("/begin_weight_update")
     def begin(body: dict[str, Any]):
@@ -81,7 +121,7 @@ def build_app(timeout_s: float = 60.0) -> FastAPI:
     @app.post("/end_weight_update")
     def end(body: dict[str, Any]):
         if not state["open"]:
-            return fail("end_weight_update without begin_weight_update")
+            return _fail("end_weight_update without begin_weight_update")
         state["open"] = False
         return ok()
 
@@ -96,10 +136,9 @@ def build_app(timeout_s: float = 60.0) -> FastAPI:
     @app.post("/update_weights_from_distributed")
     def update(body: dict[str, Any]):
         if body.get("load_format") != "flattened_bucket":
-            return fail(f"load_format={body.get('load_format')!r}: this receiver takes flattened_bucket")
+            return _fail(f"load_format={body.get('load_format')!r}: this receiver takes flattened_bucket")
         if not state["open"]:
-            return fail("update_weights_from_distributed outside begin_weight_update ... end_weight_update")
-        t0 = time.perf_counter()
+            return _fail("update_weights_from_distributed outside begin_weight_update ... end_weight_update")
         try:
             with receiver.receive(
                 names=body["names"],
@@ -109,44 +148,11 @@ def build_app(timeout_s: float = 60.0) -> FastAPI:
                 checksum=body.get("checksum"),
                 seq=body.get("bucket_seq"),
             ) as tensors:
-                t1 = time.perf_counter()
                 load(tensors)  # the next bucket is received into the other buffer meanwhile
-                t2 = time.perf_counter()
         except Exception as exc:
-            return fail(f"receive failed: {type(exc).__name__}: {exc}")
-        with lock:
-            state["receive_s"] += t1 - t0
-            state["load_s"] += t2 - t1
-            state["bytes"] += sum(t.numel() * t.element_size() for _, t in tensors)
-            if body.get("weight_version") is not None:
-                state["version"] = body["weight_version"]
-        return ok()
-
-    @app.post("/tidal/raw_receive")
-    def raw_receive(body: dict[str, Any]):
-        """Receive plain broadcasts of the given byte sizes (the benchmark's transport ceiling)."""
-        sizes = [int(n) for n in body["sizes"]]
-        try:
-            receiver.receive_raw(sizes, body.get("group_name", "weight_update_group"))
-        except Exception as exc:
-            return fail(f"raw receive failed: {type(exc).__name__}: {exc}")
-        return ok()
-
-    @app.get("/tidal/stats")
-    def stats():
-        usage = resource.getrusage(resource.RUSAGE_SELF)  # all threads of this process
-        with lock:
-            return {
-                **state,
-                "tensors": len(weights),
-                "groups": receiver.group_names,
-                "cpu_s": usage.ru_utime + usage.ru_stime,
-            }
-
-    @app.post("/tidal/reset_stats")
-    def reset_stats(body: dict[str, Any]):
-        with lock:
-            state.update(receive_s=0.0, load_s=0.0, bytes=0)
+            return _fail(f"receive failed: {type(exc).__name__}: {exc}")
+        if body.get("weight_version") is not None:
+            state["version"] = body["weight_version"]
         return ok()
 
     @app.post("/tidal/save_weights")

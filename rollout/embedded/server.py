@@ -16,10 +16,12 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from tidal.rollout.embedded.sampling import SamplingError, SamplingParams
 from tidal.rollout.embedded.service import ENGINE_ERRORS, BadRequest, EmbeddedEngine, GenerateInput
+from tidal.rollout.embedded.weights import ORDERED_BUCKETS
+from tidal.weights_sync.receiver_server import receiver_routes
 
 # The SGLang release whose HTTP protocol this server speaks (reported as /server_info's version).
 SGLANG_PROTOCOL_VERSION = "0.5.23"
@@ -88,6 +90,7 @@ class UpdateDistributedBody(_Body):
     selector: Literal["target", "draft", "all"] = "all"
     torch_empty_cache: bool = False
     checksum: int | None = None  # tidal's extension: CRC32 of a flattened bucket (SGLang ignores it)
+    bucket_seq: int | None = Field(None, ge=0)  # tidal's extension: the bucket's place in the sender's order
 
 
 class UpdateVersionBody(_Body):
@@ -112,6 +115,8 @@ def result(success: bool, message: str, **extra: Any) -> JSONResponse:
 
 def create_app(engine: EmbeddedEngine, *, host: str = "", port: int = 0) -> FastAPI:
     app = FastAPI(title="tidal embedded engine")
+    # tidal's weight-receive counters and the raw-broadcast ceiling (benchmarks/weight_sync.py --engine serve)
+    app.include_router(receiver_routes(engine.receiver.shared))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -238,7 +243,8 @@ def create_app(engine: EmbeddedEngine, *, host: str = "", port: int = 0) -> Fast
             )
         except (*ENGINE_ERRORS, RuntimeError, ValueError) as exc:
             return result(False, f"Failed to init group: {exc}.")
-        return result(True, "Succeeded to initialize custom process group.")
+        # tidal's extension: buckets announced with bucket_seq are received in that order, double-buffered
+        return result(True, "Succeeded to initialize custom process group.", **ORDERED_BUCKETS)
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(body: DestroyGroupBody) -> JSONResponse:
@@ -272,6 +278,7 @@ def create_app(engine: EmbeddedEngine, *, host: str = "", port: int = 0) -> Fast
                 weight_version=body.weight_version,
                 abort_all_requests=body.abort_all_requests,
                 checksum=body.checksum,
+                bucket_seq=body.bucket_seq,
             )
         except (*ENGINE_ERRORS, RuntimeError) as exc:
             return result(False, f"Failed to update parameter online: {exc}")

@@ -166,28 +166,44 @@ class EmbeddedEngine:
         weight_version: str | None,
         abort_all_requests: bool,
         checksum: int | None = None,
+        bucket_seq: int | None = None,
     ) -> None:
-        """Receive in a worker thread (generation goes on), then load between steps, with the new version."""
-        async with self._update_lock:
-            if abort_all_requests:
-                await self.abort(None, True)
-            received = await asyncio.to_thread(
-                self.receiver.receive,
+        """Receive in a worker thread (generation goes on), then load between steps, with the new version.
+
+        Without ``bucket_seq`` updates run one at a time (SGLang's contract); with it (tidal's sender,
+        after this engine declared ``ordered_buckets``) the receiver orders them and bucket k+1 is
+        received while bucket k is loaded.
+        """
+
+        def receive_and_load() -> None:
+            with self.receiver.receive_bucket(
                 names=names,
                 dtypes=dtypes,
                 shapes=shapes,
                 group_name=group_name,
                 load_format=load_format,
                 checksum=checksum,
-            )
-            self.loader.check(received)
+                seq=bucket_seq,
+            ) as received:
+                self.loader.check(received)
 
-            def load() -> None:
-                self.loader.load(received)
-                if weight_version is not None:
-                    self.scheduler.set_version(weight_version)
+                def load() -> None:
+                    self.loader.load(received)
+                    if weight_version is not None:
+                        self.scheduler.set_version(weight_version)
 
-            await self._call(load, drain=True)
+                self.scheduler.call(load, drain=True).result()  # the buffer is reused once this returns
+
+        async def update() -> None:
+            if abort_all_requests:
+                await self.abort(None, True)
+            await asyncio.to_thread(receive_and_load)
+
+        if bucket_seq is not None:
+            await update()
+            return
+        async with self._update_lock:
+            await update()
 
     def get_weights_by_name(self, name: str, truncate_size: int) -> list:
         try:

@@ -1,20 +1,28 @@
-"""The engine side of weight-update groups: join a group, receive broadcast tensors, leave.
+"""The engine side of weight-update groups: the shared ordered, double-buffered receiver
+(``tidal.weights_sync.receiver``) with the engine's checks and its errors.
 
-Receiving only fills fresh buffers, so it runs in a worker thread while generation continues; loading
-into the model happens afterwards on the scheduler thread. A bad announcement whose size is still known
-(unknown name, shape mismatch) is received first and then rejected, so the sender's broadcast completes
-and both sides stay in step; one whose size cannot be computed (unknown dtype, ragged lists) is rejected
-before any receive, and the sender's broadcast times out.
+A flattened bucket is received into one of the group's two buffers and held there while the engine
+loads it, so bucket k+1 (announced with ``bucket_seq``, tidal's extension) is received while bucket k is
+loaded; without ``bucket_seq`` handlers are served one at a time in arrival order, as in SGLang.
+Receiving runs in a worker thread while generation continues; loading into the model happens on the
+scheduler thread. A bad announcement whose size is still known (unknown name, shape mismatch) is
+received first and then rejected, so the sender's broadcast completes and both sides stay in step; one
+whose size cannot be computed (unknown dtype, ragged lists) is rejected before any receive, and the
+sender's broadcast times out.
 """
 
 from __future__ import annotations
 
-import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
-from tidal.weights_sync import bucket
-from tidal.weights_sync.transport import WeightGroup, create_group
+from tidal.weights_sync import receiver as shared
+from tidal.weights_sync.transport import WeightGroup
+
+# what ``/init_weights_update_group`` answers besides SGLang's fields: the sender may pipeline buckets
+ORDERED_BUCKETS = shared.ORDERED_BUCKETS
 
 
 class WeightUpdateError(ValueError):
@@ -25,8 +33,11 @@ class WeightReceiver:
     def __init__(self, device: torch.device | str, timeout_s: float):
         self.device = torch.device(device)
         self.timeout_s = timeout_s
-        self.groups: dict[str, WeightGroup] = {}
-        self._lock = threading.Lock()
+        self.shared = shared.WeightReceiver(str(self.device), timeout_s)
+
+    @property
+    def groups(self) -> dict[str, WeightGroup]:
+        return {name: self.shared.group(name) for name in self.shared.group_names}
 
     def init_group(
         self,
@@ -47,40 +58,30 @@ class WeightReceiver:
             raise WeightUpdateError(
                 f"rank_offset={rank_offset} must be in [1, world_size={world_size}) (rank 0 is the sender)"
             )
-        with self._lock:
-            old = self.groups.pop(group_name, None)
-        if old is not None:  # the sender rebuilt the group (a node joined or left): replace ours
-            old.destroy()
-        group = create_group(
+        self.shared.init_group(
             master_address=master_address,
             master_port=master_port,
-            rank=rank_offset,
+            rank_offset=rank_offset,
             world_size=world_size,
             group_name=group_name,
             backend=backend,
-            timeout_s=self.timeout_s,
         )
-        with self._lock:
-            self.groups[group_name] = group
 
     def destroy(self, group_name: str) -> None:
-        with self._lock:
-            group = self.groups.pop(group_name, None)
-        if group is None:
+        if not self.shared.destroy_group(group_name):
             raise WeightUpdateError(
-                f"no weight update group named {group_name!r} (have: {sorted(self.groups)})"
+                f"no weight update group named {group_name!r} (have: {self.shared.group_names})"
             )
-        group.destroy()
 
-    def _group(self, group_name: str) -> WeightGroup:
-        group = self.groups.get(group_name)
-        if group is None:
+    def _check_group(self, group_name: str) -> None:
+        if group_name not in self.shared.group_names:
             raise WeightUpdateError(
-                f"Group {group_name} not in {sorted(self.groups)}. Please call `init_weights_update_group` first."
+                f"Group {group_name} not in {self.shared.group_names}. Please call "
+                "`init_weights_update_group` first."
             )
-        return group
 
-    def receive(
+    @contextmanager
+    def receive_bucket(
         self,
         *,
         names: list[str],
@@ -89,44 +90,52 @@ class WeightReceiver:
         group_name: str,
         load_format: str | None,
         checksum: int | None = None,
-    ) -> list[tuple[str, torch.Tensor]]:
-        """Receive the announced tensors from group rank 0 (blocking).
+        seq: int | None = None,
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Receive the announced tensors from group rank 0 (blocking); yields them until they are loaded.
 
-        ``checksum`` (tidal's extension, flattened buckets only): the CRC32 the sender announced.
+        ``load_format='flattened_bucket'``: views into one of the group's two receive buffers (reused;
+        the next bucket may be received into the other meanwhile). ``None``/``auto``/``direct``: one
+        broadcast per tensor, into fresh tensors. ``checksum`` (flattened buckets only): the CRC32 the
+        sender announced. ``seq``: tidal's ``bucket_seq``; waits for its turn.
         """
-        group = self._group(group_name)
-        if not (len(names) == len(dtypes) == len(shapes)) or not names:
-            raise WeightUpdateError(
-                f"names, dtypes and shapes must be non-empty lists of one length, got "
-                f"{len(names)}, {len(dtypes)}, {len(shapes)}"
-            )
-        spec = bucket.BucketSpec(names=list(names), dtypes=list(dtypes), shapes=[list(s) for s in shapes])
-        try:
-            tensor_dtypes = [bucket._dtype(d) for d in dtypes]
-            nbytes = spec.nbytes
-        except ValueError as exc:
-            raise WeightUpdateError(str(exc)) from exc
-        if load_format == "flattened_bucket":
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            group.broadcast(buf, src=0)
-            if checksum is not None and bucket.checksum(buf) != checksum:
-                raise WeightUpdateError(
-                    f"bucket of {len(names)} tensors ({names[0]} ...) in group {group_name}: checksum "
-                    f"{bucket.checksum(buf)} != announced {checksum}"
-                )
-            return bucket.unpack(buf, spec)
-        if load_format not in (None, "auto", "direct"):
+        self._check_group(group_name)
+        if load_format not in (None, "auto", "direct", "flattened_bucket"):
             raise WeightUpdateError(
                 f"load_format={load_format!r} is not supported; use null (one broadcast per tensor) or "
                 "'flattened_bucket'"
             )
-        received = []
-        for name, dtype, shape in zip(names, tensor_dtypes, shapes, strict=True):
-            t = torch.empty(list(shape), dtype=dtype, device=self.device)
-            group.broadcast(t, src=0)
-            received.append((name, t))
-        return received
+        announced = dict(names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, seq=seq)
+        if load_format != "flattened_bucket":
+            try:
+                received = self.shared.receive_tensors(**announced)
+            except _RECEIVE_ERRORS as exc:
+                raise WeightUpdateError(_message(exc)) from exc
+            yield received
+            return
+        entered = False
+        try:
+            with self.shared.receive(**announced, checksum=checksum) as tensors:
+                entered = True
+                yield tensors
+        except _RECEIVE_ERRORS as exc:
+            if entered:  # the caller's own error (its load), not the receive's
+                raise
+            raise WeightUpdateError(_message(exc)) from exc
+
+    def receive(self, **kwargs) -> list[tuple[str, torch.Tensor]]:
+        """As ``receive_bucket``, but the tensors are the caller's to keep (a copy of a flattened bucket)."""
+        with self.receive_bucket(**kwargs) as tensors:
+            return [(name, t.clone()) for name, t in tensors]
 
     def close(self) -> None:
-        for name in list(self.groups):
-            self.destroy(name)
+        for name in self.shared.group_names:
+            self.shared.destroy_group(name)
+
+
+# what the shared receiver raises for a bad announcement, a lost bucket or a missing group
+_RECEIVE_ERRORS = (ValueError, RuntimeError, KeyError)
+
+
+def _message(exc: BaseException) -> str:
+    return exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)

@@ -1,0 +1,172 @@
+"""A real ``tidal serve`` process receives pipelined, ordered buckets from the real ``WeightSender``.
+
+The engine declares ``ordered_buckets`` in its ``/init_weights_update_group`` reply, so the sender
+announces each bucket with ``bucket_seq`` ahead of the previous reply (two in flight) and the engine
+receives bucket k+1 while it loads bucket k (tidal.weights_sync.receiver, shared with the stand-in).
+SGLang-shaped clients (no ``bucket_seq``) are covered by test_engine_server.py.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+import torch
+
+from tidal.model_config import ModelConfig
+from tidal.procs import free_port, python_cmd, spawn, stop, wait_for_tcp
+from tidal.rollout.embedded.model import build_model
+from tidal.weights_sync import bucket
+from tidal.weights_sync.config import WeightSyncConfig
+from tidal.weights_sync.engine_api import EngineEndpoint
+from tidal.weights_sync.sender import WeightSender
+
+pytestmark = pytest.mark.slow
+
+MODEL = dict(
+    family="qwen3",
+    vocab_size=96,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=96,
+)
+ENGINE_SEED = 7
+PROMPT = [3, 1, 4, 1, 5]
+
+
+@pytest.fixture(scope="module")
+def engine_url(tmp_path_factory):
+    port = free_port()
+    overrides = [f"model.{k}={v}" for k, v in MODEL.items()] + [
+        f"seed={ENGINE_SEED}",
+        "rollout.engine.max_batch_size=4",
+        "rollout.engine.max_seq_len=64",
+        "rollout.engine.weight_update_timeout_s=30",
+        "rollout.engine.num_threads=1",
+    ]
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    proc = spawn(python_cmd("serve", *overrides, "--port", str(port)), log)
+    try:
+        wait_for_tcp("127.0.0.1", port, timeout_s=180, proc=proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop(proc, timeout_s=5)
+
+
+def _weights(seed: int) -> dict[str, torch.Tensor]:
+    """Hugging Face tensors of MODEL initialised with ``seed`` (not the engine's)."""
+    lm = build_model(ModelConfig(**MODEL), seed=seed, device="cpu", dtype="float32", fuse=False)
+    return {name: p.detach().clone() for name, p in lm.named_parameters()}
+
+
+def _served(url: str, name: str) -> torch.Tensor:
+    resp = httpx.post(f"{url}/get_weights_by_name", json={"name": name, "truncate_size": 1 << 20}, timeout=30)
+    resp.raise_for_status()
+    return torch.tensor(resp.json(), dtype=torch.float32)  # fp32 -> JSON double -> fp32 is exact
+
+
+def _greedy(url: str) -> list[int]:
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True},
+    }
+    resp = httpx.post(f"{url}/generate", json=body, timeout=60)
+    resp.raise_for_status()
+    return resp.json()["output_ids"]
+
+
+def _sync(url: str, weights: dict[str, torch.Tensor], version: int):
+    # 16 KiB buckets: ~20 buckets for this ~300 KB model, so many are announced ahead of their replies
+    config = WeightSyncConfig(bucket_bytes=16 << 10, timeout_s=30, verify_checksums=True)
+    sender = WeightSender(config, [EngineEndpoint(url)])
+    try:
+        report = sender.sync(lambda: iter(weights.items()), version=version)
+        group_name = sender._group.name if sender._group is not None else None
+    finally:
+        sender.close()
+    return report, group_name
+
+
+def _bucket_body(name: str, tensor: torch.Tensor, group_name: str, seq: int) -> dict:
+    _, spec = bucket.pack([(name, tensor)])
+    return {
+        "names": spec.names,
+        "dtypes": spec.dtypes,
+        "shapes": spec.shapes,
+        "group_name": group_name,
+        "load_format": "flattened_bucket",
+        "bucket_seq": seq,
+    }
+
+
+def test_serve_receives_pipelined_ordered_buckets_bitwise(engine_url):
+    url = engine_url
+    new = _weights(seed=11)
+    before = httpx.get(f"{url}/tidal/stats", timeout=30).json()["buckets"]
+
+    report, _ = _sync(url, new, version=1)
+
+    assert report.ok and not report.dropped, report
+    assert report.inflight == 2, (
+        "the engine did not declare ordered_buckets: announcements went one at a time"
+    )
+    assert report.buckets >= 10
+    assert httpx.get(f"{url}/tidal/stats", timeout=30).json()["buckets"] - before == report.buckets
+    differ = [n for n, t in new.items() if not torch.equal(_served(url, n), t)]
+    assert not differ, f"tensors not equal bitwise after the sync: {differ}"
+    assert httpx.get(f"{url}/model_info", timeout=30).json()["weight_version"] == "1"
+    reference = build_model(ModelConfig(**MODEL), seed=11, device="cpu", dtype="float32", fuse=False)
+    expected = reference.generate(
+        torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0
+    )[0, len(PROMPT) :].tolist()
+    assert _greedy(url) == expected
+
+
+def test_a_reused_or_missing_bucket_seq_is_refused_and_the_engine_keeps_serving(engine_url):
+    url = engine_url
+    config = WeightSyncConfig(bucket_bytes=16 << 10, timeout_s=30)
+    sender = WeightSender(config, [EngineEndpoint(url)])
+    name, tensor = "model.norm.weight", torch.ones(MODEL["hidden_size"])
+    try:
+        assert sender.sync(lambda: iter([(name, tensor)]), version=2).ok  # bucket_seq 0 is used
+        group_name = sender._group.name
+
+        reused = httpx.post(
+            f"{url}/update_weights_from_distributed",
+            json=_bucket_body(name, tensor, group_name, 0),
+            timeout=30,
+        )
+        assert reused.status_code == 400 and "bucket_seq 0 was already received" in reused.text, reused.text
+
+        # bucket 5 waits for buckets 1-4, which never come; destroying the group releases it
+        answers: list[httpx.Response] = []
+        waiter = threading.Thread(
+            target=lambda: answers.append(
+                httpx.post(
+                    f"{url}/update_weights_from_distributed",
+                    json=_bucket_body(name, tensor, group_name, 5),
+                    timeout=60,
+                )
+            )
+        )
+        waiter.start()
+        deadline = 30.0
+        while httpx.get(f"{url}/tidal/stats", timeout=30).json()["waiting"] != 1 and deadline > 0:
+            deadline -= 0.05
+            threading.Event().wait(0.05)
+        assert deadline > 0, "the out-of-turn bucket never reached the engine's receiver"
+        httpx.post(f"{url}/destroy_weights_update_group", json={"group_name": group_name}, timeout=30)
+        waiter.join(timeout=60)
+        assert answers and answers[0].status_code == 400, answers
+        assert "destroyed while bucket 5 waited" in answers[0].text, answers[0].text
+    finally:
+        sender.close()
+
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    assert len(_greedy(url)) == 8
+    again, _ = _sync(url, {name: torch.full_like(tensor, 0.25)}, version=3)  # a fresh group works
+    assert again.ok and torch.equal(_served(url, name), torch.full_like(tensor, 0.25))
