@@ -14,8 +14,12 @@ or conversion. Each method runs ``--repeats`` times, interleaved; the table show
     .venv/bin/python benchmarks/weight_sync.py --sizes-mb 10 --repeats 1        # quick look
     .venv/bin/python benchmarks/weight_sync.py --tp 2 --sizes-mb 10 100 500     # with the TP all-gather
 
-Engines are ``tidal.weights_sync.receiver_server`` (the routes without a model), so ``load`` is a
-copy into a dict of tensors; ``--backend nccl --device cuda`` runs the same on GPUs.
+Engines are ``tidal.weights_sync.receiver_server`` (the routes without a model, ``load`` is a copy into
+a dict of tensors) or, with ``--engine serve``, real ``tidal serve`` engines started per size with the
+same Qwen3 architecture (``load`` is the engine's: checks, a hand-off to its scheduler thread, copies into
+the model's parameters); ``--backend nccl --device cuda`` runs the same on GPUs.
+
+    .venv/bin/python benchmarks/weight_sync.py --engine serve --sizes-mb 100 500 2000 --repeats 3
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import httpx
 import torch
 
 from tidal.model_config import ModelConfig
-from tidal.procs import free_port, spawn, stop, wait_for_tcp
+from tidal.procs import free_port, python_cmd, spawn, stop, wait_for_tcp
 from tidal.weights_sync.config import WeightSyncConfig
 from tidal.weights_sync.engine_api import EngineEndpoint
 from tidal.weights_sync.families import mapping_for
@@ -94,28 +98,48 @@ def megatron_state(model: ModelConfig, dtype: torch.dtype, device: str) -> dict[
     return {n: torch.full(s, 0.5, dtype=dtype, device=device) for n, s in shapes.items()}
 
 
-def start_receivers(n: int, logdir: Path, threads: int, first_gpu: int | None = None):
-    """``n`` receiver processes; with ``first_gpu``, receiver i sees only GPU first_gpu + i (NCCL refuses
-    two ranks of one group on the same GPU, so the sender keeps GPU 0)."""
+def start_receivers(
+    n: int, logdir: Path, args, model: ModelConfig | None = None, first_gpu: int | None = None
+):
+    """``n`` engine processes: stand-ins, or ``tidal serve`` engines of ``model`` (``--engine serve``).
+    With ``first_gpu``, engine i sees only GPU first_gpu + i (NCCL refuses two ranks of one group on the
+    same GPU, so the sender keeps GPU 0)."""
     procs, urls = [], []
     for i in range(n):
         port = free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "tidal.weights_sync.receiver_server",
-            "--port",
-            str(port),
-            "--timeout-s",
-            "600",
-        ]
-        env = {"OMP_NUM_THREADS": str(threads)}
+        if args.engine == "serve":
+            assert model is not None
+            # every field, so that nothing of the default job's model (the CLI's base config) leaks in
+            fields = {
+                k: v for k, v in model.model_dump().items() if v is not None and not isinstance(v, list)
+            }
+            cmd = python_cmd(
+                "serve",
+                *[f"model.{k}={v}" for k, v in fields.items()],
+                "rollout.engine.max_batch_size=1",
+                "rollout.engine.max_seq_len=64",  # its KV cache stays small beside the weights
+                f"rollout.engine.dtype={args.dtype}",
+                f"rollout.engine.device={'cuda' if first_gpu is not None else 'cpu'}",
+                f"rollout.engine.num_threads={args.threads}",
+                "rollout.engine.weight_update_timeout_s=600",
+                "--port",
+                str(port),
+            )
+        else:
+            cmd = [sys.executable, "-m", "tidal.weights_sync.receiver_server", "--port", str(port)]
+            cmd += ["--timeout-s", "600"]
+        env = {"OMP_NUM_THREADS": str(args.threads)}
         if first_gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(first_gpu + i)
-        procs.append(spawn(cmd, logdir / f"receiver{i}.log", env=env))
+        procs.append(spawn(cmd, logdir / f"{args.engine}{i}.log", env=env))
         urls.append(f"http://127.0.0.1:{port}")
-    for proc, url in zip(procs, urls, strict=True):
-        wait_for_tcp("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout_s=120, proc=proc)
+    try:
+        for proc, url in zip(procs, urls, strict=True):
+            wait_for_tcp("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout_s=600, proc=proc)
+    except BaseException:
+        for proc in procs:
+            stop(proc, timeout_s=5)
+        raise
     return procs, urls
 
 
@@ -148,15 +172,13 @@ def megatron_source(model: ModelConfig, args):
     return lambda times: iter_hf(chunks, mapping, Groups.from_megatron(), times, packable=True)
 
 
-def run_size(sender: WeightSender, urls: list[str], target: int, args) -> dict | None:
+def run_size(sender: WeightSender, urls: list[str], target: int, model: ModelConfig, args) -> dict | None:
     """Medians for one model size; None on the ranks that only help gather.
 
     One unmeasured sync first (it builds the group on the first size and lets both sides allocate
     their buffers and the engine its weights, as a trainer's first sync does); then ``--repeats`` pairs
     of a full sync and a raw broadcast, back to back so that both see the same machine load.
     """
-    dtype = getattr(torch, args.dtype)
-    model = model_for_bytes(target, dtype.itemsize)
     make = megatron_source(model, args) if args.tp > 1 else local_source(model, args)
     _checked(sender.sync(lambda: make(GatherTimes()), version=0))
     full, raw, raw_cpu = [], [], []
@@ -235,6 +257,12 @@ def main() -> int:
     p.add_argument("--sizes-mb", type=int, nargs="+", default=[10, 100, 500, 2000])
     p.add_argument("--engines", type=int, default=1)
     p.add_argument(
+        "--engine",
+        default="standin",
+        choices=["standin", "serve"],
+        help="standin: receiver_server (no model); serve: tidal serve engines holding the model",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -280,24 +308,36 @@ def main() -> int:
     logdir = Path(args.out.parent if args.out else "runs/bench") / "weight_sync_logs"
     # with NCCL the sender's ranks hold GPUs 0..tp-1 and the engines the next ones (_check_devices)
     first_gpu = max(args.tp, 1) if args.backend == "nccl" else None
-    procs, urls = start_receivers(args.engines, logdir, args.threads, first_gpu) if rank == 0 else ([], [])
-    if args.tp > 1:
-        shared = [urls]
-        torch.distributed.broadcast_object_list(shared, src=0)
-        urls = shared[0]
     config = WeightSyncConfig(
         bucket_bytes=args.bucket_mb << 20 if args.bucket_mb else None,
         first_bucket_bytes=args.first_bucket_mb << 20 if args.first_bucket_mb else None,
         timeout_s=600,
         **({"inflight_buckets": args.inflight} if args.inflight else {}),
     )
-    sender = WeightSender(
-        config,
-        [EngineEndpoint(u) for u in urls],
-        is_sender=rank == 0,
-        backend=args.backend,
-        device=args.device,
-    )
+
+    def connect(model: ModelConfig | None):
+        """Engines (on rank 0) and a sender to them (every rank)."""
+        procs, urls = start_receivers(args.engines, logdir, args, model, first_gpu) if rank == 0 else ([], [])
+        if args.tp > 1:
+            shared = [urls]
+            torch.distributed.broadcast_object_list(shared, src=0)
+            urls = shared[0]
+        sender = WeightSender(
+            config,
+            [EngineEndpoint(u) for u in urls],
+            is_sender=rank == 0,
+            backend=args.backend,
+            device=args.device,
+        )
+        return procs, urls, sender
+
+    def disconnect(procs, sender) -> None:
+        sender.close()
+        for proc in procs:
+            stop(proc, timeout_s=5)
+
+    # stand-ins take any tensors: one set for all sizes; a serve engine holds one model: a set per size
+    procs, urls, sender = connect(None) if args.engine == "standin" else ([], [], None)
     results, skipped = [], []
     start, last = time.perf_counter(), None  # last: (MB, seconds) of the previous size
     try:
@@ -308,18 +348,26 @@ def main() -> int:
                     print(f"--max-seconds {args.max_seconds:g}: skipped sizes {skipped} MB", flush=True)
                 break
             t0 = time.perf_counter()
-            result = run_size(sender, urls, mb << 20, args)
+            model = model_for_bytes(mb << 20, getattr(torch, args.dtype).itemsize)
+            if args.engine == "serve":
+                procs, urls, sender = connect(model)
+            try:
+                result = run_size(sender, urls, mb << 20, model, args)
+            finally:
+                if args.engine == "serve":
+                    disconnect(procs, sender)
+                    procs, sender = [], None
             last = (mb, time.perf_counter() - t0)
             if result is not None:
                 results.append(result)
                 _print(results[-1:], header=len(results) == 1)
     finally:
-        sender.close()
-        for proc in procs:
-            stop(proc, timeout_s=5)
+        if sender is not None:
+            disconnect(procs, sender)
     if rank != 0:
         return 0
     meta = dict(
+        engine=args.engine,
         engines=args.engines,
         first_bucket_bytes=config.bucket_sizes(args.backend)[0],
         bucket_bytes=config.bucket_sizes(args.backend)[1],
