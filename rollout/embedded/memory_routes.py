@@ -38,6 +38,12 @@ def engine_memory(engine) -> EngineMemory:
     return memory
 
 
+def engine_gpu_uuid(engine) -> str | None:
+    """The UUID of the engine's GPU (tidal's /server_info extension: colocated senders compare it with theirs)."""
+    device = engine.scheduler.device
+    return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
+
+
 def memory_released(engine) -> str | None:
     """Why generation cannot continue now (memory released), or None."""
     memory = getattr(engine, "memory", None)

@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from tidal.rollout.embedded.memory_routes import add_colocated_routes, engine_gpu_uuid, memory_released
 from tidal.rollout.embedded.sampling import SamplingError, SamplingParams
 from tidal.rollout.embedded.service import ENGINE_ERRORS, BadRequest, EmbeddedEngine, GenerateInput
 from tidal.rollout.embedded.weights import ORDERED_BUCKETS
@@ -177,6 +178,7 @@ def create_app(engine: EmbeddedEngine, *, host: str = "", port: int = 0) -> Fast
             "version": SGLANG_PROTOCOL_VERSION,
             "engine": "tidal-embedded",
             "device": cfg.device,
+            "gpu_uuid": engine_gpu_uuid(engine),  # tidal's: colocated senders look for their own GPU
             "internal_states": [engine.scheduler.stats()],
             "host": host,
             "port": port,
@@ -227,6 +229,8 @@ def create_app(engine: EmbeddedEngine, *, host: str = "", port: int = 0) -> Fast
 
     @app.post("/continue_generation")
     async def continue_generation(body: ContinueBody | None = None) -> JSONResponse:
+        if (released := memory_released(engine)) is not None:
+            return error(released)
         await engine.resume()
         return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
@@ -299,6 +303,7 @@ def create_app(engine: EmbeddedEngine, *, host: str = "", port: int = 0) -> Fast
         except BadRequest as exc:
             return error(str(exc))
 
+    add_colocated_routes(app, engine)  # /update_weights_from_tensor, /release_ and /resume_memory_occupation
     return app
 
 

@@ -1,0 +1,90 @@
+"""The colocated routes of a real ``tidal serve`` process on CPU: sleep / wake over HTTP, and the clear
+refusal of CUDA IPC updates by a CPU engine (the GPU suite runs the IPC path itself)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+
+from tidal.procs import free_port, python_cmd
+from tidal.rollout.sglang_launcher import EngineProcess
+from tidal.weights_sync import bucket
+from tidal.weights_sync.colocated import serialize_bucket
+
+pytestmark = pytest.mark.slow
+
+MODEL = dict(
+    family="qwen3",
+    vocab_size=64,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    intermediate_size=48,
+)
+GREEDY = {"input_ids": [3, 5, 7], "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    port = free_port()
+    overrides = [f"model.{k}={v}" for k, v in MODEL.items()] + [
+        "seed=2",
+        "rollout.engine.max_batch_size=4",
+        "rollout.engine.max_seq_len=32",
+        "rollout.engine.num_threads=1",
+    ]
+    proc = EngineProcess(
+        python_cmd("serve", *overrides, "--port", str(port)),
+        f"http://127.0.0.1:{port}",
+        log_path=tmp_path_factory.mktemp("colocated_routes") / "serve.log",
+        start_timeout_s=120,
+    )
+    asyncio.run(proc.start())
+    try:
+        yield proc.url
+    finally:
+        proc.kill()
+
+
+def test_cpu_engine_refuses_cuda_ipc_updates_with_the_way_out(engine):
+    import torch
+
+    buf, spec = bucket.pack([("model.norm.weight", torch.ones(32))])
+    body = {"serialized_named_tensors": [serialize_bucket(buf, spec)], "load_format": "flattened_bucket"}
+    resp = httpx.post(f"{engine}/update_weights_from_tensor", json=body, timeout=30)
+    assert resp.status_code == 400 and resp.json()["success"] is False
+    assert "needs a CUDA engine; this engine runs on cpu" in resp.json()["message"]
+    assert "update_weights_from_distributed" in resp.json()["message"]
+    missing = httpx.post(f"{engine}/update_weights_from_tensor", json={"load_format": None}, timeout=30)
+    assert missing.status_code == 400 and "serialized_named_tensors" in missing.text
+    assert httpx.get(f"{engine}/server_info", timeout=30).json()["gpu_uuid"] is None
+
+
+def test_sleep_and_wake_over_http_keep_greedy_output(engine):
+    http = httpx.Client(base_url=engine, timeout=60)
+    before = http.post("/generate", json=GREEDY).json()["output_ids"]
+
+    bad = http.post("/release_memory_occupation", json={"tags": ["kv"]})
+    assert bad.status_code == 400 and "unknown memory tag(s) ['kv']" in bad.json()["error"]["message"]
+    assert http.post("/release_memory_occupation", json={"tags": None}).status_code == 200
+    refused = http.post("/continue_generation", json={})
+    assert refused.status_code == 400 and "/resume_memory_occupation" in refused.json()["error"]["message"]
+
+    done: dict = {}
+    waiting = threading.Thread(
+        target=lambda: done.update(out=httpx.post(f"{engine}/generate", json=GREEDY, timeout=60).json())
+    )
+    waiting.start()
+    time.sleep(0.5)
+    assert not done, "the engine generated while its memory was released"
+    assert http.post("/resume_memory_occupation", json={}).status_code == 200
+    waiting.join(60)
+    assert done["out"]["output_ids"] == before
+    assert http.post("/generate", json=GREEDY).json()["output_ids"] == before
+    http.close()
