@@ -199,7 +199,8 @@ class ColocatedSender:
 
     # ---- sleep / wake ----------------------------------------------------------------------------
     def _on_all(self, fn: Callable[[ColocatedClient], None], urls: list[str] | None = None) -> list[str]:
-        futures = {u: self._pool.submit(fn, self._clients[u]) for u in (urls or list(self._clients))}
+        urls = list(self._clients) if urls is None else urls
+        futures = {u: self._pool.submit(fn, self._clients[u]) for u in urls}
         return _settle(futures, self.config.timeout_s)
 
     def sleep(self) -> list[str]:
@@ -240,6 +241,7 @@ class ColocatedSender:
         t0 = time.perf_counter()
         failed: list[str] = []
         pause = self.config.pause_mode
+        was_asleep = bool(self.asleep)  # asleep engines were paused (retract) by sleep()
         if self.coordinator and self._clients:
             failed += self._resume_memory()  # the weights must be resident before they are written
 
@@ -264,7 +266,8 @@ class ColocatedSender:
 
             def end(client: ColocatedClient) -> None:
                 client.weights.end()
-                client.weights.resume()
+                if pause or was_asleep:
+                    client.weights.resume()
 
             for u in self._on_all(end):
                 self._drop(u, report)
@@ -276,12 +279,15 @@ class ColocatedSender:
     def _stream(
         self, tensors: Iterable[tuple[str, torch.Tensor]], version: int, report: SyncReport
     ) -> list[str]:
-        """Pack bucket k+1 into one staging buffer while the engines load bucket k from the other."""
+        """Pack bucket k+1 into one staging buffer while the engines load bucket k from the other.
+
+        ``report.pack_s``: packing (until its kernels finish); ``report.transfer_s``: this thread's time
+        pickling handles and waiting for replies (what the engines' loads do not hide behind packing).
+        """
         bucket_bytes = self.config.bucket_bytes or DEFAULT_IPC_BUCKET_BYTES
         first = min(self.config.first_bucket_bytes or max(1, bucket_bytes // 8), bucket_bytes)
         failed: list[str] = []
         pending: dict[str, Future] | None = None
-        pending_t0 = 0.0
         it = iter(bucket.stream_buckets(tensors, bucket_bytes, first))
         slots = itertools.cycle(range(2))
         try:
@@ -299,13 +305,12 @@ class ColocatedSender:
                 # buffer must be complete before the engine is told about them
                 torch.cuda.current_stream(self.device).synchronize()
                 report.pack_s += time.perf_counter() - t0
+                t0 = time.perf_counter()
                 if pending is not None:  # the other buffer's bucket: its reply frees that buffer
                     failed += _settle(pending, self.config.timeout_s)
-                    report.transfer_s += time.perf_counter() - pending_t0
                 urls = [u for u in self._clients if u not in failed]
                 if not urls:
                     break
-                pending_t0 = time.perf_counter()
                 # one pickle per engine: each opens the handle once, which torch's IPC refcounting expects
                 pending = {
                     u: self._pool.submit(
@@ -316,12 +321,14 @@ class ColocatedSender:
                     )
                     for u in urls
                 }
+                report.transfer_s += time.perf_counter() - t0
                 report.buckets += 1
                 report.bytes += buf.numel()
                 report.bucket_sizes.append(buf.numel())
             if pending is not None:
+                t0 = time.perf_counter()
                 failed += _settle(pending, self.config.timeout_s)
-                report.transfer_s += time.perf_counter() - pending_t0
+                report.transfer_s += time.perf_counter() - t0
         finally:
             with contextlib.suppress(Exception):
                 torch.cuda.synchronize(self.device)

@@ -1,0 +1,149 @@
+"""Colocated mode on one GPU: weights by CUDA IPC handles, and the engine's sleep / wake.
+
+- ``tidal serve`` (bf16, CUDA graphs) and a megatron-core trainer process (``child_colocated_sync.py``) on the
+  same GPU: ``weights_sync.transport='auto'`` picks CUDA IPC, and after each of two syncs every tensor the
+  engine holds is bitwise equal to the trainer's bf16 export.
+- The embedded engine in this process: releasing its weights, KV cache and CUDA graphs drops
+  ``torch.cuda.memory_allocated`` by at least their bytes (and ``memory_reserved`` after ``empty_cache``);
+  after waking, its greedy output equals the output before sleeping, with CUDA graphs recaptured.
+- ``/update_weights_from_tensor`` refuses a broken payload, and a GPU it cannot see, naming the cause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+MODEL = dict(
+    family="qwen3",
+    vocab_size=512,
+    hidden_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=512,
+)
+PROMPTS = [[1, 2, 3, 4], [9, 8, 7], [100, 200, 300, 400, 500]]
+# large enough (about 0.3 GB of weights, tensors of 8-64 MB) that freed storages are whole allocator segments
+MEMORY_MODEL = dict(
+    MODEL, vocab_size=32768, hidden_size=1024, num_hidden_layers=4, head_dim=128, intermediate_size=4096
+)
+
+
+@pytest.fixture(scope="module")
+def colocated_engine(tmp_path_factory):
+    from tidal.procs import free_port, python_cmd
+    from tidal.rollout.sglang_launcher import EngineProcess
+
+    port = free_port()
+    overrides = [f"model.{k}={v}" for k, v in MODEL.items()] + [
+        "seed=3",
+        "rollout.engine.device=cuda",
+        "rollout.engine.dtype=bfloat16",
+        "rollout.engine.max_batch_size=8",
+        "rollout.engine.max_seq_len=64",
+    ]
+    proc = EngineProcess(
+        python_cmd("serve", *overrides, "--port", str(port)),
+        f"http://127.0.0.1:{port}",
+        log_path=tmp_path_factory.mktemp("colocated") / "serve.log",
+        start_timeout_s=240,
+    )
+    asyncio.run(proc.start())
+    try:
+        yield proc
+    finally:
+        proc.kill()
+
+
+def test_colocated_sync_of_the_trainers_export_is_bitwise_equal(colocated_engine, child):
+    result = child("child_colocated_sync.py", colocated_engine.url, json.dumps(MODEL), timeout_s=300)
+    assert result["transport"] == "cuda_ipc", "transport=auto did not see the engine on the trainer's GPU"
+    assert [s["weight_version"] for s in result["syncs"]] == ["1", "2"]
+    for sync in result["syncs"]:
+        assert sync["ok"] and not sync["dropped"], sync
+        assert sync["buckets"] > 4, "small buckets: both staging buffers are reused"
+        assert sync["checked"] > 0 and sync["mismatched"] == [], sync
+
+
+def test_engine_generates_after_colocated_updates(colocated_engine):
+    import httpx
+
+    resp = httpx.post(
+        f"{colocated_engine.url}/generate",
+        json={"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 8, "temperature": 0}},
+        timeout=60,
+    )
+    assert resp.status_code == 200 and len(resp.json()["output_ids"]) == 8
+
+
+def test_sleep_frees_gpu_memory_and_wake_restores_greedy_output():
+    import torch
+
+    from tidal.model_config import ModelConfig
+    from tidal.rollout.config import EmbeddedEngineConfig
+    from tidal.rollout.embedded.memory_routes import release_memory, resume_memory
+    from tidal.rollout.embedded.sampling import SamplingParams
+    from tidal.rollout.embedded.service import EmbeddedEngine, GenerateInput
+
+    engine = EmbeddedEngine(
+        ModelConfig(**MEMORY_MODEL),
+        EmbeddedEngineConfig(device="cuda", dtype="bfloat16", max_batch_size=8, max_seq_len=256),
+        seed=3,
+    )
+    engine.start()
+
+    def greedy() -> list[list[int]]:
+        async def go():
+            inputs = [
+                GenerateInput(p, SamplingParams(max_new_tokens=12, temperature=0), return_logprob=False)
+                for p in PROMPTS
+            ]
+            return [r.output_ids for r in await engine.generate(inputs)]
+
+        return asyncio.run(go())
+
+    try:
+        before = greedy()
+        assert engine.scheduler.decode_mode == "cuda_graphs", engine.scheduler.decode_reason
+        torch.cuda.synchronize()
+        allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        freed = asyncio.run(release_memory(engine, None))  # empties the allocator's cache after freeing
+        after_allocated, after_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        storage_bytes = freed["weights"] + freed["kv_cache"]
+        weight_bytes = sum(p.numel() * p.element_size() for p in engine.lm.parameters())
+        assert freed["weights"] >= weight_bytes * 0.99  # tied / fused views share storage
+        assert allocated - after_allocated >= storage_bytes, (allocated, after_allocated, freed)
+        assert reserved - after_reserved >= storage_bytes, (reserved, after_reserved, freed)
+        assert not engine.scheduler._lean_step.graphs
+
+        asyncio.run(resume_memory(engine, None))
+        assert engine.scheduler._lean_step.graphs, "CUDA graphs were not recaptured on wake"
+        assert torch.cuda.memory_allocated() >= allocated - (1 << 20)
+        assert greedy() == before
+    finally:
+        engine.close()
+
+
+def test_update_from_tensor_refusals_name_the_cause(colocated_engine):
+    import httpx
+    import torch
+
+    from tidal.rollout.embedded import ipc_receive
+
+    resp = httpx.post(
+        f"{colocated_engine.url}/update_weights_from_tensor",
+        json={"serialized_named_tensors": ["AAAA"], "load_format": "flattened_bucket"},
+        timeout=30,
+    )
+    assert resp.status_code == 400 and resp.json()["success"] is False
+    assert "not a tensor pickle" in resp.json()["message"]
+    # SGLang's senders name the device by UUID: one that no visible GPU has is refused with the reason
+    assert ipc_receive._device_index(str(torch.cuda.get_device_properties(0).uuid)) == 0
+    with pytest.raises(ipc_receive.IpcPayloadError, match="cannot see"):
+        ipc_receive._device_index("GPU-00000000-0000-0000-0000-000000000000")
