@@ -12,7 +12,7 @@
 # Settings (environment): STAGES ("tests bench"), BENCHES (which benchmarks, default the first three of
 # engine_throughput trainer_throughput weight_sync planner_memory), BUDGET_S (total seconds, 540),
 # PYTEST_ARGS (extra pytest arguments, e.g. "-k engine"), ENGINE_BENCH_ARGS, TRAINER_BENCH_ARGS,
-# WEIGHT_BENCH_ARGS, PLANNER_BENCH_ARGS.
+# WEIGHT_BENCH_ARGS, PLANNER_BENCH_ARGS, COLOCATED_BENCH_ARGS.
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -29,6 +29,7 @@ ENGINE_BENCH_ARGS=${ENGINE_BENCH_ARGS:---dtype bfloat16 --hidden 1024 --layers 1
 TRAINER_BENCH_ARGS=${TRAINER_BENCH_ARGS:-}
 WEIGHT_BENCH_ARGS=${WEIGHT_BENCH_ARGS:-}
 PLANNER_BENCH_ARGS=${PLANNER_BENCH_ARGS:-}
+COLOCATED_BENCH_ARGS=${COLOCATED_BENCH_ARGS:-}
 START=$SECONDS
 
 mkdir -p "$OUT" "$WORK/bench"
@@ -112,6 +113,8 @@ if [[ " $STAGES " == *" bench "* ]]; then
     [[ " $BENCHES " == *" weight_sync "* ]] && run_bench weight_sync $WEIGHT_BENCH_ARGS
     # shellcheck disable=SC2086
     [[ " $BENCHES " == *" planner_memory "* ]] && run_bench planner_memory $PLANNER_BENCH_ARGS
+    # shellcheck disable=SC2086
+    [[ " $BENCHES " == *" colocated_sync "* ]] && run_bench colocated_sync $COLOCATED_BENCH_ARGS
 fi
 
 stage "results.json"
