@@ -9,6 +9,16 @@ every packed sequence is padded to a multiple of ``2 * cp`` and cut into ``2 * c
 holds chunks ``r`` and ``2 * cp - 1 - r`` of every sequence. K and V are all-gathered over the CP group
 (the backward all-reduces their gradient and keeps the local part), then each local query attends
 causally to its own sequence's keys at positions up to its own.
+
+Two kernels run the packed case (``trainer.kernels.attention``):
+
+- ``flash_varlen`` (CUDA, bf16/fp16): torch's variable-length flash kernel
+  (``torch.nn.attention.varlen.varlen_attn``) over ``cu_seqlens``, with grouped-query attention native
+  (no K/V repeat) and no mask tensor. Under context parallelism every local query chunk becomes its own
+  "sequence" whose keys are its sequence's prefix up to the chunk's end; flash aligns the causal diagonal
+  to the bottom right when a sequence has more keys than queries, which is exactly that prefix rule.
+- ``sdpa`` (any device, the reference): SDPA per group of equal-length sequences (no CP), or one masked
+  SDPA over the gathered keys (CP).
 """
 
 from __future__ import annotations
@@ -65,6 +75,86 @@ def _sequence_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
 
 
+ATTENTION_KERNELS = ("auto", "flash_varlen", "sdpa")
+
+
+def flash_varlen_unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> str | None:
+    """Why torch's varlen flash kernel cannot run on these tensors, or None when it can."""
+    if not query.is_cuda:
+        return f"tensors are on {query.device.type}, the flash kernel needs CUDA"
+    if query.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {query.dtype}; the flash kernel takes bfloat16 or float16"
+    if torch.cuda.get_device_capability(query.device) < (8, 0):
+        return "the flash kernel needs compute capability 8.0 or newer"
+    head_dim = max(query.shape[-1], value.shape[-1])
+    if key.shape[-1] != query.shape[-1] or head_dim > 256 or head_dim % 8:
+        return f"head sizes q={query.shape[-1]} k={key.shape[-1]} v={value.shape[-1]} (flash: equal q/k, <= 256, x8)"
+    if query.shape[1] % key.shape[1]:
+        return f"{query.shape[1]} query heads are not a multiple of {key.shape[1]} key heads"
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen"
+    return None
+
+
+def flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float) -> torch.Tensor:
+    """Causal (bottom-right aligned) attention of packed sequences with torch's varlen flash kernel."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0))
+
+
+def varlen_reference(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float) -> torch.Tensor:
+    """What :func:`flash_varlen` computes, with SDPA one sequence at a time (any device, any dtype).
+
+    Query ``i`` of a sequence with ``Lq`` queries and ``Lk`` keys sees keys ``j <= i + Lk - Lq``.
+    """
+    outs = []
+    bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+    for qs, qe, ks, ke in zip(bounds_q[:-1], bounds_q[1:], bounds_k[:-1], bounds_k[1:], strict=True):
+        qi, ki, vi = q[qs:qe].transpose(0, 1), k[ks:ke].transpose(0, 1), v[ks:ke].transpose(0, 1)
+        ki, vi = PackedCoreAttention._expand_groups(qi, ki, vi, head_dim=0)
+        lq, lk = qe - qs, ke - ks
+        keep = torch.arange(lk, device=q.device)[None, :] <= torch.arange(lq, device=q.device)[:, None] + (
+            lk - lq
+        )
+        out = torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, attn_mask=keep, scale=scale)
+        outs.append(out.transpose(0, 1))
+    return torch.cat(outs) if outs else q.new_zeros(0, q.shape[1], v.shape[-1])
+
+
+def cp_varlen_layout(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int):
+    """The varlen problem of one context-parallel rank: each local query chunk against its keys.
+
+    Returns ``(cu_q, key_positions, cu_k, max_q, max_k)``: the local queries (in :func:`cp_token_positions`
+    order) cut into one sequence per chunk; the global packed positions of the keys of each chunk (its
+    sequence's tokens from the start up to the chunk's end), concatenated; their boundaries; the longest
+    query and key runs.
+    """
+    q_lengths, k_lengths, key_pieces = [], [], []
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        length = end - start
+        if length % (2 * cp_size):
+            raise ValueError(
+                f"context parallel: packed sequence length {length} is not a multiple of 2*cp={2 * cp_size}; "
+                "pad every sequence to a multiple of 2*cp (cu_seqlens_q_padded)"
+            )
+        chunk = length // (2 * cp_size)
+        if chunk == 0:
+            continue
+        for c in (cp_rank, 2 * cp_size - 1 - cp_rank):
+            q_lengths.append(chunk)
+            k_lengths.append((c + 1) * chunk)
+            key_pieces.append(torch.arange(start, start + (c + 1) * chunk))
+    zero = torch.zeros(1, dtype=torch.int32)
+    cu_q = torch.cat([zero, torch.tensor(q_lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)])
+    cu_k = torch.cat([zero, torch.tensor(k_lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)])
+    keys = torch.cat(key_pieces) if key_pieces else torch.zeros(0, dtype=torch.long)
+    return cu_q, keys, cu_k, max(q_lengths, default=0), max(k_lengths, default=0)
+
+
 class PackedCoreAttention(MegatronModule):
     def __init__(
         self,
@@ -76,9 +166,18 @@ class PackedCoreAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection=None,
+        kernel: str = "auto",
         **unused,
     ):
         super().__init__(config=config)
+        if kernel not in ATTENTION_KERNELS:
+            raise ValueError(
+                f"trainer.kernels.attention={kernel!r}; choose one of {', '.join(ATTENTION_KERNELS)}"
+            )
+        self.kernel = kernel
+        # the varlen problem (kernel callable) is an attribute so CPU tests can run the flash path's
+        # bookkeeping with varlen_reference standing in for the CUDA kernel
+        self.varlen_kernel = flash_varlen
         if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
             raise ValueError(f"PackedCoreAttention supports causal attention only, got {attn_mask_type}")
         self.softmax_scale = softmax_scale
@@ -120,7 +219,59 @@ class PackedCoreAttention(MegatronModule):
             )
             s, b = query.shape[0], query.shape[1]
             return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+        if self._use_flash(query, key, value):
+            return self._forward_flash_thd(query, key, value, packed_seq_params)
         return self._forward_thd(query, key, value, packed_seq_params)
+
+    def _use_flash(self, query, key, value) -> bool:
+        if self.kernel == "sdpa":
+            return False
+        reason = flash_varlen_unsupported(query, key, value)
+        if reason is None and self.training and self.dropout > 0:
+            reason = f"attention dropout {self.dropout} (the varlen kernel runs without dropout)"
+        if reason is None:
+            return True
+        if self.kernel == "flash_varlen":
+            raise ValueError(
+                f"trainer.kernels.attention=flash_varlen cannot run here: {reason}; use auto or sdpa"
+            )
+        return False
+
+    def _forward_flash_thd(self, query, key, value, params: PackedSeqParams) -> torch.Tensor:
+        # query [t, np, hn], key [t, ng, hn], value [t, ng, hv]
+        tokens, head_v = query.shape[0], value.shape[-1]
+        scale = self._scale(query.shape[-1])
+        if head_v != query.shape[-1]:  # MLA: values are narrower than queries; flash wants one head size
+            value = torch.nn.functional.pad(value, (0, query.shape[-1] - head_v))
+        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        cp_size = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
+        if cp_size == 1:
+            cu_dev = cu.to(query.device, torch.int32)
+            longest = params.max_seqlen_q
+            if longest is None:
+                longest = int((cu[1:] - cu[:-1]).max())
+            out = self.varlen_kernel(query, key, value, cu_dev, cu_dev, int(longest), int(longest), scale)
+        else:
+            cu = cu.to("cpu", torch.long)
+            cp_rank = dist.get_rank(self.cp_group)
+            full_k = _GatherSeq.apply(key, self.cp_group)
+            full_v = _GatherSeq.apply(value, self.cp_group)
+            # gathered rows are in rank order; row order[p] holds global packed position p
+            gathered_pos = torch.cat([cp_token_positions(cu, cp_size, r) for r in range(cp_size)])
+            order = torch.argsort(gathered_pos)
+            cu_q, key_pos, cu_k, max_q, max_k = cp_varlen_layout(cu, cp_size, cp_rank)
+            rows = order[key_pos].to(query.device)
+            out = self.varlen_kernel(
+                query,
+                full_k.index_select(0, rows),
+                full_v.index_select(0, rows),
+                cu_q.to(query.device),
+                cu_k.to(query.device),
+                max_q,
+                max_k,
+                scale,
+            )
+        return out[..., :head_v].reshape(tokens, -1)
 
     def _per_sequence(self, query, key, value, cu: torch.Tensor) -> torch.Tensor:
         """Causal attention within each packed sequence: sum of L_i^2 work, not (sum L_i)^2.

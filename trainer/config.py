@@ -68,6 +68,39 @@ class LossConfig(BaseModel):
         return self
 
 
+class KernelConfig(BaseModel):
+    """Which implementation runs the trainer's hot spots; ``auto`` picks the fast one the device supports.
+
+    Every fast path has a reference beside it (the value that names it), so the two can be compared on the
+    same machine; docs/trainer.md ("Kernels") describes each.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    attention: Literal["auto", "flash_varlen", "sdpa"] = Field(
+        "auto",
+        description="core attention of packed (THD) sequences: flash_varlen = torch's varlen flash kernel "
+        "(CUDA, bf16/fp16; context parallel included); sdpa = one SDPA call per group of equal-length "
+        "sequences (any device, the reference); auto = flash_varlen where it can run, sdpa elsewhere",
+    )
+    experts: Literal["auto", "grouped_mm", "loop", "sequential"] = Field(
+        "auto",
+        description="MoE experts: grouped_mm = one torch._grouped_mm per projection (CUDA sm90+, bf16); "
+        "loop = the same module computing expert by expert (any device); sequential = megatron-core's "
+        "SequentialMLP; auto = grouped_mm where it can run, loop elsewhere. Parameter names and layouts "
+        "are those of SequentialMLP in every case",
+    )
+    logprobs: Literal["auto", "fused", "reference"] = Field(
+        "auto",
+        description="per-token logprobs/entropy from (vocab-parallel) logits: fused = row chunks in fp32, "
+        "gradient recomputed from the saved logits (no full fp32 copy of the logits); reference = the plain "
+        "fp32 formula; auto = fused",
+    )
+    logprobs_chunk_tokens: int = Field(
+        1024, ge=1, description="fused logprobs: rows of logits converted to fp32 at a time"
+    )
+
+
 class TrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -92,6 +125,7 @@ class TrainerConfig(BaseModel):
         description="aux-loss-free balancing (deepseek_v3): the router's per-expert bias moves this much "
         "per optimizer step towards equal expert loads (DeepSeek-V3's value); 0 freezes it",
     )
+    kernels: KernelConfig = KernelConfig()
     batch_timeout_s: float = Field(
         600.0, gt=0, description="how long to wait for the broker's next batch before giving up"
     )

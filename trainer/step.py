@@ -107,7 +107,10 @@ def local_cu_seqlens(mb: MicroBatch, cp_size: int) -> torch.Tensor:
 
 
 class _VocabParallel:
-    """Per-token log-probabilities and entropy from vocabulary-sharded logits (TP)."""
+    """Per-token log-probabilities and entropy from vocabulary-sharded logits (TP): the plain fp32 formula.
+
+    ``trainer.kernels.logprobs=reference``; the default is :class:`_FusedVocabParallel`.
+    """
 
     def __init__(self):
         from megatron.core import parallel_state as ps
@@ -115,6 +118,11 @@ class _VocabParallel:
         self.group = ps.get_tensor_model_parallel_group()
         self.size = ps.get_tensor_model_parallel_world_size()
         self.rank = ps.get_tensor_model_parallel_rank()
+
+    def logprobs(self, logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool, temperature: float):
+        if temperature != 1.0:
+            logits = logits / temperature
+        return self(logits, labels, with_entropy)
 
     def _sum(self, x: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
@@ -140,6 +148,39 @@ class _VocabParallel:
         if with_entropy:
             entropy = log_z - self._sum((exp * shifted).sum(dim=-1)) / sum_exp
         return logprobs, entropy
+
+
+class _FusedVocabParallel(_VocabParallel):
+    """The same values through :func:`~tidal.trainer.fused_logprobs.vocab_parallel_logprobs` (row chunks,
+    no fp32 copy of the logits kept for the backward)."""
+
+    def __init__(self, chunk_tokens: int):
+        super().__init__()
+        self.chunk_tokens = chunk_tokens
+
+    def logprobs(self, logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool, temperature: float):
+        from tidal.trainer.fused_logprobs import vocab_parallel_logprobs
+
+        return vocab_parallel_logprobs(
+            logits,
+            labels,
+            with_entropy=with_entropy,
+            temperature=temperature,
+            chunk_tokens=self.chunk_tokens,
+            group=self.group if self.size > 1 else None,
+            vocab_start=self.rank * logits.shape[-1],
+        )
+
+
+def _logprob_impl(chunks) -> _VocabParallel:
+    """The logprob implementation ``trainer.kernels`` asks for (kept on the model by ``build_model``)."""
+    from tidal.trainer.config import KernelConfig
+    from tidal.trainer.models import unwrap
+
+    kernels = getattr(unwrap(chunks[0]), "tidal_kernels", None) or KernelConfig()
+    if kernels.logprobs == "reference":
+        return _VocabParallel()
+    return _FusedVocabParallel(kernels.logprobs_chunk_tokens)
 
 
 def _cp_seq_reduce(cp_group, cp_size: int):
@@ -191,15 +232,13 @@ def _run_schedule(
     cp_size = ps.get_context_parallel_world_size()
     dp_cp = ps.get_data_parallel_world_size(with_context_parallel=True)
     scale = float(len(local) * dp_cp)
-    vocab = _VocabParallel()
+    vocab = _logprob_impl(chunks)
     seq_reduce = _cp_seq_reduce(ps.get_context_parallel_group() if cp_size > 1 else None, cp_size)
     tconfig.variable_seq_lengths = len(chunks) == 1
 
     def loss_func(mb: MicroBatch, output: torch.Tensor):
         logits = output.reshape(-1, output.shape[-1])  # [1, T, V/tp] -> [T, V/tp]
-        if temperature != 1.0:
-            logits = logits / temperature
-        logprobs, entropy = vocab(logits, mb.labels, with_entropy)
+        logprobs, entropy = vocab.logprobs(logits, mb.labels, with_entropy, temperature)
         result = loss_fn(
             logprobs, entropy, replace(mb, cu_seqlens_padded=local_cu_seqlens(mb, cp_size)), seq_reduce
         )

@@ -1,0 +1,130 @@
+"""Per-token log-probabilities and entropy from vocabulary-parallel logits without fp32 copies of the logits.
+
+The plain formula (``logits.float()``, shift, ``exp``, sums; autograd keeps the fp32 intermediates) holds
+several fp32 tensors the size of the logits: at 8192 tokens and a 151,936-token vocabulary each is 5 GB.
+Here an autograd function walks the logits in row chunks: the forward converts one chunk to fp32 at a
+time and keeps only per-token statistics (log-partition, entropy); the backward recomputes the softmax of
+each chunk from the saved logits (in their own dtype, usually bf16, which autograd would keep anyway) and
+writes the gradient straight into the logits' dtype. Arithmetic is fp32 throughout, as in the plain formula.
+
+Tensor parallelism (vocabulary sharded over TP ranks): each rank reduces its shard with its own maximum;
+the maxima, the rescaled sums and the label's logit are combined over the TP group in the forward. The
+backward needs no communication: every rank's gradient is its own shard's columns.
+
+With ``z`` the (temperature-scaled) logits of a token, ``lse = log sum exp z``, ``p = softmax z``:
+``logprob = z[label] - lse``, ``entropy = lse - sum p z``;
+``d logprob / dz = onehot(label) - p``, ``d entropy / dz = -p (z - lse + entropy)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+class _ChunkedVocabLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, with_entropy, scale, chunk, group, vocab_start):
+        tokens, shard = logits.shape
+        local = labels.long() - vocab_start
+        in_shard = (local >= 0) & (local < shard)
+        local = local.clamp(0, shard - 1)
+        maxes = torch.empty(tokens, dtype=torch.float32, device=logits.device)
+        sums = torch.empty_like(maxes)
+        weighted = torch.empty_like(maxes) if with_entropy else None  # sum e^(z-m) (z-m)
+        for start in range(0, tokens, chunk):
+            rows = slice(start, min(start + chunk, tokens))
+            z = logits[rows].to(torch.float32, copy=True)  # never a view: changed in place
+            if scale != 1.0:
+                z.mul_(scale)
+            m = z.amax(dim=-1)
+            z.sub_(m[:, None])
+            e = z.exp()
+            maxes[rows] = m
+            sums[rows] = e.sum(dim=-1)
+            if with_entropy:
+                weighted[rows] = (e * z).sum(dim=-1)
+            del z, e
+        picked = logits.gather(-1, local[:, None]).squeeze(-1).float() * scale
+        picked = torch.where(in_shard, picked, torch.zeros_like(picked))
+        if group is not None and dist.get_world_size(group) > 1:
+            peak = _all_reduce(maxes.clone(), dist.ReduceOp.MAX, group)
+            rescale = torch.exp(maxes - peak)
+            if with_entropy:
+                # sum e^(z-M) (z-M) = e^(m-M) [sum e^(z-m) (z-m) + (m-M) sum e^(z-m)]
+                weighted = _all_reduce(rescale * (weighted + (maxes - peak) * sums), dist.ReduceOp.SUM, group)
+            sums = _all_reduce(sums * rescale, dist.ReduceOp.SUM, group)
+            picked = _all_reduce(picked, dist.ReduceOp.SUM, group)
+            maxes = peak
+        log_z = maxes + sums.log()
+        logprobs = picked - log_z
+        entropy = sums.log() - weighted / sums if with_entropy else None
+        ctx.save_for_backward(logits, local, in_shard, log_z, entropy if with_entropy else log_z)
+        ctx.with_entropy, ctx.scale, ctx.chunk = with_entropy, scale, chunk
+        if with_entropy:
+            return logprobs, entropy
+        return logprobs, torch.zeros(0, device=logits.device)
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        logits, local, in_shard, log_z, entropy = ctx.saved_tensors
+        tokens = logits.shape[0]
+        use_entropy = ctx.with_entropy and grad_entropy is not None
+        grad_lp = grad_logprobs if grad_logprobs is not None else torch.zeros_like(log_z)
+        grad = torch.empty_like(logits)
+        for start in range(0, tokens, ctx.chunk):
+            rows = slice(start, min(start + ctx.chunk, tokens))
+            z = logits[rows].to(torch.float32, copy=True)  # never a view: changed in place
+            if ctx.scale != 1.0:
+                z.mul_(ctx.scale)
+            z.sub_(log_z[rows, None])  # log p
+            p = z.exp()
+            coeff = grad_lp[rows, None]
+            if use_entropy:
+                # -p (g_lp + g_H (log p + H))
+                z.add_(entropy[rows, None]).mul_(grad_entropy[rows, None]).add_(coeff)
+                g = p.mul_(z).neg_()
+            else:
+                g = p.mul_(coeff).neg_()
+            hit = (grad_lp[rows] * in_shard[rows]).to(g.dtype)
+            g.scatter_add_(-1, local[rows, None], hit[:, None])
+            if ctx.scale != 1.0:
+                g.mul_(ctx.scale)
+            grad[rows] = g
+            del z, p, g
+        return grad, None, None, None, None, None, None
+
+
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    with_entropy: bool = False,
+    temperature: float = 1.0,
+    chunk_tokens: int = 1024,
+    group=None,
+    vocab_start: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logprobs ``[T]``, entropy ``[T]`` or None), fp32, of ``softmax(logits / temperature)``.
+
+    ``logits``: ``[T, V_shard]`` in any float dtype, this rank's vocabulary columns starting at
+    ``vocab_start``; ``group``: the tensor-parallel group over which the vocabulary is sharded (None: whole).
+    """
+    if logits.dim() != 2 or labels.shape != logits.shape[:1]:
+        raise ValueError(
+            f"logits must be [T, V] and labels [T]; got {tuple(logits.shape)} and {tuple(labels.shape)}"
+        )
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be > 0")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
+    logprobs, entropy = _ChunkedVocabLogprobs.apply(
+        logits, labels, with_entropy, 1.0 / temperature, chunk_tokens, group, vocab_start
+    )
+    return logprobs, entropy if with_entropy else None
