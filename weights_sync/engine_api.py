@@ -7,6 +7,9 @@ from typing import Any
 
 import httpx
 
+# tidal's receive extensions an engine may declare in its /init_weights_update_group reply (SGLang: none)
+EXTENSIONS = ("ordered_buckets", "bucket_segments")
+
 
 class EngineError(RuntimeError):
     """An engine refused a weight-update call or did not answer in time."""
@@ -55,10 +58,11 @@ class EngineWeightsClient:
         world_size: int,
         group_name: str,
         backend: str,
-    ) -> bool:
-        """Join the engine to the group; True when it receives buckets in ``bucket_seq`` order, so the
-        sender may announce the next bucket before this one is answered (tidal's extension: the
-        engine says so in its reply; SGLang does not, and gets one announcement at a time)."""
+    ) -> frozenset[str]:
+        """Join the engine to the group; returns the extensions its reply declares (``EXTENSIONS``):
+        ``ordered_buckets``: it receives buckets in ``bucket_seq`` order, so the sender may announce the
+        next bucket before this one is answered; ``bucket_segments``: a bucket may arrive as several
+        broadcasts (``segments``). SGLang declares none and gets one announcement at a time."""
         reply = self._post(
             "/init_weights_update_group",
             {
@@ -70,7 +74,7 @@ class EngineWeightsClient:
                 "backend": backend,
             },
         )
-        return reply.get("ordered_buckets") is True
+        return frozenset(k for k in EXTENSIONS if reply.get(k) is True)
 
     def destroy_group(self, group_name: str) -> None:
         self._post("/destroy_weights_update_group", {"group_name": group_name})
@@ -98,6 +102,7 @@ class EngineWeightsClient:
         flush_cache: bool,
         checksum: int | None = None,
         seq: int | None = None,
+        segments: list[int] | None = None,
     ) -> None:
         body: dict[str, Any] = {
             "names": names,
@@ -112,4 +117,6 @@ class EngineWeightsClient:
             body["checksum"] = checksum
         if seq is not None:  # tidal's extension, only to engines that declared ordered_buckets
             body["bucket_seq"] = seq
+        if segments is not None:  # tidal's extension, only to engines that declared bucket_segments
+            body["segments"] = segments
         self._post("/update_weights_from_distributed", body)

@@ -7,12 +7,17 @@ handlers. A handler holds its bucket from the receive until it has loaded it::
         load(tensors)            # views into one of the group's two buffers
 
 Each group has two receive buffers, so bucket k+1 is received into the other buffer while bucket k is
-being loaded (``ORDERED_BUCKETS``: such an engine lets the sender announce the next bucket before the
+being loaded (``DECLARED_EXTENSIONS``: such an engine lets the sender announce the next bucket before the
 previous one is answered). Announcements travel on separate HTTP connections and may arrive out of
 order; ``seq`` (tidal's ``bucket_seq`` extension, 0, 1, 2, ... per group) makes each handler wait for
 its turn, so receives follow the sender's broadcast order. Without ``seq`` receives run in arrival
 order, one at a time, as in SGLang. ``receive_tensors`` is SGLang's other load format (one broadcast per
 tensor, into fresh tensors); it takes its turn like a bucket.
+
+``segments`` (tidal's ``bucket_segments`` extension) splits a bucket's bytes into consecutive
+broadcasts, so the sender sends large tensors straight from their memory instead of packing them; a
+one-tensor segment goes straight into the tensor ``target`` names (the engine's weight, when it may be
+written now) and is left out of what ``receive`` yields: neither side copies it.
 
 ``stats`` counts what was received and how long receives and loads took (the stand-in's and the
 engine's ``/tidal/stats``).
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
@@ -30,9 +35,13 @@ import torch
 
 from tidal.weights_sync import bucket, transport
 
-# What a receiver that implements this module's ordering answers in ``/init_weights_update_group``:
-# the sender may then pipeline announcements that carry ``bucket_seq``.
-ORDERED_BUCKETS = {"ordered_buckets": True}
+# What a receiver built on this module answers in ``/init_weights_update_group`` (tidal's extensions):
+# ``ordered_buckets``: the sender may pipeline announcements that carry ``bucket_seq``;
+# ``bucket_segments``: a bucket may come as several broadcasts (``segments``: tensors per broadcast).
+DECLARED_EXTENSIONS = {"ordered_buckets": True, "bucket_segments": True}
+
+# ``target(name, shape, dtype)``: the engine's own tensor to receive a one-tensor segment into, or None
+Target = Callable[[str, list[int], torch.dtype], torch.Tensor | None]
 
 
 class ChecksumMismatch(ValueError):
@@ -198,11 +207,15 @@ class WeightReceiver:
         group_name: str,
         checksum: int | None = None,
         seq: int | None = None,
+        segments: list[int] | None = None,
+        target: Target | None = None,
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Receive one flattened bucket; yields views of its tensors, valid until the block exits."""
+        """Receive one flattened bucket; yields views of its tensors, valid until the block exits, except
+        those received straight into their ``target`` (never with a ``checksum``: it covers the buffer)."""
         t0 = time.perf_counter()
         spec = _spec(names, dtypes, shapes)
         nbytes = spec.nbytes  # raises ValueError naming a bad dtype or shape before any receive
+        runs = _runs(segments, len(spec.names))
         state = self._state(group_name)
         with self._turn(state, group_name, seq) as seq:
             # our turn: the other handlers wait for next_seq, which moves only once this receive is done
@@ -212,7 +225,22 @@ class WeightReceiver:
                 raise BucketOrderError(f"group {group_name}: bucket {seq - 2} was never loaded")
             try:
                 buf = self._buffer(slot, nbytes)
-                arrived = _broadcast_on_side_stream(state, buf)
+                views = bucket.unpack(buf, spec)
+                direct: set[int] = set()
+                arrived = None
+                for first, end in runs:
+                    dst = None
+                    if target is not None and checksum is None and end - first == 1:
+                        dst = _writable(target, *views[first])
+                    if dst is not None:
+                        direct.add(first)
+                    else:
+                        start = views[first][1].data_ptr() - buf.data_ptr()
+                        last = views[end - 1][1]
+                        dst = buf[
+                            start : last.data_ptr() - buf.data_ptr() + last.numel() * last.element_size()
+                        ]
+                    arrived = _broadcast_on_side_stream(state, dst)
             except BaseException:
                 slot.lock.release()
                 raise
@@ -225,7 +253,7 @@ class WeightReceiver:
                     f"bucket of {len(names)} tensors ({names[0]} ...) in group {group_name}: checksum "
                     f"{bucket.checksum(buf)} != announced {checksum}"
                 )
-            yield bucket.unpack(buf, spec)
+            yield [item for i, item in enumerate(views) if i not in direct]
         finally:
             if arrived is not None:  # the caller's load read this buffer on its stream: finish it first
                 torch.cuda.current_stream(buf.device).synchronize()
@@ -299,3 +327,28 @@ def _spec(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> bucke
             f"{len(names)}, {len(dtypes)}, {len(shapes)}"
         )
     return bucket.BucketSpec(names=list(names), dtypes=list(dtypes), shapes=[list(s) for s in shapes])
+
+
+def _runs(segments: list[int] | None, n: int) -> list[tuple[int, int]]:
+    """[first, end) tensor indices of each broadcast of a bucket of ``n`` tensors."""
+    if segments is None:
+        return [(0, n)]
+    if not all(isinstance(c, int) and c > 0 for c in segments) or sum(segments) != n:
+        raise ValueError(
+            f"segments={segments} must be positive tensor counts that add up to the bucket's {n} tensors"
+        )
+    bounds = [0]
+    for count in segments:
+        bounds.append(bounds[-1] + count)
+    return list(zip(bounds, bounds[1:], strict=False))
+
+
+def _writable(target: Target, name: str, view: torch.Tensor) -> torch.Tensor | None:
+    """The bytes of ``name``'s target tensor, if it can take the broadcast as it is (same dtype, shape,
+    device and contiguous), else None."""
+    t = target(name, list(view.shape), view.dtype)
+    if t is None or t.dtype != view.dtype or t.shape != view.shape or t.device != view.device:
+        return None
+    if not t.is_contiguous():
+        return None
+    return t.view(-1).view(torch.uint8)

@@ -24,7 +24,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse
 
 from tidal.weights_sync import hf_io
-from tidal.weights_sync.receiver import ORDERED_BUCKETS, WeightReceiver
+from tidal.weights_sync.receiver import DECLARED_EXTENSIONS, WeightReceiver
 
 
 def _fail(message: str, status: int = 400) -> JSONResponse:
@@ -106,7 +106,7 @@ def build_app(timeout_s: float = 60.0) -> FastAPI:
             )
         except Exception as exc:
             return _fail(f"init_weights_update_group failed: {exc}")
-        return {**ok(), **ORDERED_BUCKETS}
+        return {**ok(), **DECLARED_EXTENSIONS}
 
     @app.post("/destroy_weights_update_group")
     def destroy_group(body: dict[str, Any]):
@@ -147,6 +147,8 @@ def build_app(timeout_s: float = 60.0) -> FastAPI:
                 group_name=body.get("group_name", "weight_update_group"),
                 checksum=body.get("checksum"),
                 seq=body.get("bucket_seq"),
+                segments=body.get("segments"),
+                target=lambda name, shape, dtype: weights.get(name),  # the kept tensor, as an engine's weight
             ) as tensors:
                 load(tensors)  # the next bucket is received into the other buffer meanwhile
         except Exception as exc:

@@ -167,13 +167,28 @@ class EmbeddedEngine:
         abort_all_requests: bool,
         checksum: int | None = None,
         bucket_seq: int | None = None,
+        segments: list[int] | None = None,
     ) -> None:
         """Receive in a worker thread (generation goes on), then load between steps, with the new version.
 
         Without ``bucket_seq`` updates run one at a time (SGLang's contract); with it (tidal's sender,
         after this engine declared ``ordered_buckets``) the receiver orders them and bucket k+1 is
-        received while bucket k is loaded.
+        received while bucket k is loaded. With ``segments`` a tensor sent on its own is received
+        straight into its weight while generation is paused inside a weight update.
         """
+
+        def in_place_target():
+            # only while nothing reads the weights, and only if the whole bucket is known: a bad one is
+            # received into the buffer and refused before anything is written
+            if checksum is not None or not self.in_weight_update or self.scheduler.paused is None:
+                return None
+            try:
+                self.loader.check(
+                    [(n, torch.empty(s, device="meta")) for n, s in zip(names, shapes, strict=True)]
+                )
+            except Exception:  # noqa: BLE001 - the receive reports what is wrong with the announcement
+                return None
+            return lambda name, shape, dtype: self.loader.resolve(name)
 
         def receive_and_load() -> None:
             with self.receiver.receive_bucket(
@@ -184,6 +199,8 @@ class EmbeddedEngine:
                 load_format=load_format,
                 checksum=checksum,
                 seq=bucket_seq,
+                segments=segments,
+                target=in_place_target() if segments is not None else None,
             ) as received:
                 self.loader.check(received)
 

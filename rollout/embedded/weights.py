@@ -22,7 +22,8 @@ from tidal.weights_sync import receiver as shared
 from tidal.weights_sync.transport import WeightGroup
 
 # what ``/init_weights_update_group`` answers besides SGLang's fields: the sender may pipeline buckets
-ORDERED_BUCKETS = shared.ORDERED_BUCKETS
+# (``bucket_seq``) and send large tensors as broadcasts of their own (``segments``)
+ORDERED_BUCKETS = shared.DECLARED_EXTENSIONS
 
 
 class WeightUpdateError(ValueError):
@@ -91,13 +92,17 @@ class WeightReceiver:
         load_format: str | None,
         checksum: int | None = None,
         seq: int | None = None,
+        segments: list[int] | None = None,
+        target: shared.Target | None = None,
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Receive the announced tensors from group rank 0 (blocking); yields them until they are loaded.
 
         ``load_format='flattened_bucket'``: views into one of the group's two receive buffers (reused;
         the next bucket may be received into the other meanwhile). ``None``/``auto``/``direct``: one
         broadcast per tensor, into fresh tensors. ``checksum`` (flattened buckets only): the CRC32 the
-        sender announced. ``seq``: tidal's ``bucket_seq``; waits for its turn.
+        sender announced. ``seq``: tidal's ``bucket_seq``; waits for its turn. ``segments``: tidal's
+        ``bucket_segments``; a one-tensor segment goes straight into ``target(name, shape, dtype)`` when
+        that returns a tensor, and is not yielded.
         """
         self._check_group(group_name)
         if load_format not in (None, "auto", "direct", "flattened_bucket"):
@@ -115,7 +120,9 @@ class WeightReceiver:
             return
         entered = False
         try:
-            with self.shared.receive(**announced, checksum=checksum) as tensors:
+            with self.shared.receive(
+                **announced, checksum=checksum, segments=segments, target=target
+            ) as tensors:
                 entered = True
                 yield tensors
         except _RECEIVE_ERRORS as exc:
