@@ -209,6 +209,10 @@ class ModelConfig(BaseModel):
             for key in ("rope_theta", "partial_rotary_factor"):
                 if key in rope:
                     fields[key] = rope[key]
+            # transformers saves the layer pattern as layer_types, not full_attention_interval
+            layer_types = hf.get("layer_types")
+            if "full_attention_interval" not in fields and layer_types and "full_attention" in layer_types:
+                fields["full_attention_interval"] = layer_types.index("full_attention") + 1
         return cls(family=family, path=path, **fields)
 
     def to_hf_dict(self) -> dict[str, Any]:

@@ -153,7 +153,12 @@ def transformer_config(
             "(column-parallel down-projections) does not sum the rotary key's gradient over TP, so gradients "
             "come out wrong (measured ~1e-3 relative on CPU); use tp=1 with ep/pp/cp/dp, or a GPU with TE"
         )
-    fields = _common_fields(model) | _FAMILY_FIELDS[model.family](model)
+    from tidal.trainer import families
+
+    if families.handles(model.family):  # hybrid / experimental-attention families: trainer/families/
+        fields = _common_fields(model) | families.fields(model, mesh, training)
+    else:
+        fields = _common_fields(model) | _FAMILY_FIELDS[model.family](model)
     sequence_parallel = mesh.sequence_parallel
     if sequence_parallel is None:
         sequence_parallel = mesh.tp > 1 and model.is_moe
@@ -186,7 +191,9 @@ def transformer_config(
         # receive. The unbatched path sends the two directions over two different groups.
         fields["batch_p2p_comm"] = False
     cls = MLATransformerConfig if fields.get("multi_latent_attention") else TransformerConfig
-    return cls(**fields)
+    tconfig = cls(**fields)
+    tconfig.tidal_family = model.family  # read by layer_spec / build_model for trainer/families/
+    return tconfig
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -248,6 +255,11 @@ def layer_spec(tconfig, use_te: bool, vp_stage: int | None = None):
     """The decoder block spec of this rank's pipeline stage."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
+    from tidal.trainer import families
+
+    own = families.block_spec(tconfig, vp_stage)
+    if own is not None:
+        return own
     block = get_gpt_decoder_block_spec(
         tconfig, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage
     )
@@ -270,7 +282,7 @@ def build_model(
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from tidal.trainer import rope
+    from tidal.trainer import families, rope
 
     model = model.resolved()
     if use_te is None:
@@ -290,11 +302,13 @@ def build_model(
             share_embeddings_and_output_weights=model.tie_word_embeddings,
             position_embedding_type="rope",
             rotary_base=int(model.rope_theta),
+            rotary_percent=model.partial_rotary_factor,
             vp_stage=vp_stage,
         )
         gpt.to(_device())
         chunks.append(gpt)
     init_weights(chunks, tconfig, seed)
+    families.init_extra(chunks, tconfig, seed)
     return chunks
 
 

@@ -7,10 +7,16 @@ import importlib
 from tidal.model_config import ModelConfig
 from tidal.weights_sync.mapping import WeightMapping
 
+# families whose mapping module is not named after the family
+MODULES = {"qwen3_5_moe": "mapping_qwen3_5", "glm_moe_dsa": "mapping_glm5"}
+
 
 def mapping_for(model: ModelConfig, padded_vocab_size: int | None = None) -> WeightMapping:
-    module = importlib.import_module(f"tidal.weights_sync.mapping_{model.family}")
-    return WeightMapping(module.RULES, model, padded_vocab_size)
+    name = MODULES.get(model.family, f"mapping_{model.family}")
+    module = importlib.import_module(f"tidal.weights_sync.{name}")
+    # a family with its own fusions provides a WeightMapping subclass as MAPPING
+    cls = getattr(module, "MAPPING", WeightMapping)
+    return cls(module.RULES, model, padded_vocab_size)
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:

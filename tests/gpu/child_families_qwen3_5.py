@@ -1,0 +1,165 @@
+"""The tiny Qwen3.5 on CUDA with flash-linear-attention: logits vs transformers, one train step, export.
+
+    python child_families_qwen3_5.py WORK_DIR
+
+One process, world size 1. A random Hugging Face checkpoint of configs/tiny/qwen3_5_35b_a3b.yaml's model is
+loaded into tidal's megatron-core Qwen3.5 (Gated DeltaNet on fla's kernels) in fp32 and in bf16; logits of
+a batch and of two sequences packed in one THD row (the trainer's layout, fla's varlen path) are compared
+with transformers' (fp32 and bf16). The bf16 model then trains one GRPO step with the distributed optimizer,
+its weights are exported through the weight mapping (what weights_sync sends) and loaded into a
+transformers model with the embedded engine's loader, whose logits must again match megatron-core's.
+Prints one JSON line of measurements; tests/gpu/test_gpu_qwen3_5.py judges them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+
+from tidal.model_config import ModelConfig
+from tidal.trainer import models, parallel
+from tidal.trainer.config import LossConfig, OptimizerConfig
+from tidal.trainer.mesh import MeshConfig
+from tidal.trainer.optimizer import build_train_state
+from tidal.trainer.step import train_step
+from tidal.trainer.synthetic import make_loss, plan, synthetic_groups
+from tidal.weights_sync import hf_io
+from tidal.weights_sync.families import mapping_for
+from tidal.weights_sync.gather import Groups, iter_hf, load_hf_into_chunks
+from tidal.weights_sync.tiny_models import save_random_hf
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs" / "tiny" / "qwen3_5_35b_a3b.yaml"
+LENGTHS = (20, 28)  # two sequences, packed into one row for the THD comparison
+
+
+def _transformers(directory: Path, dtype: torch.dtype, device):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
+
+
+def _error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| relative to max |want| (logits of one comparison)."""
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
+
+
+def _megatron(model: ModelConfig, hf: dict, dtype: torch.dtype, device):
+    tconfig = models.transformer_config(model, MeshConfig(), bf16=dtype == torch.bfloat16)
+    chunks = models.build_model(model, tconfig, seed=1)
+    mapping = mapping_for(model)
+    loaded = load_hf_into_chunks(
+        chunks, {n: t.to(device=device, dtype=dtype) for n, t in hf.items()}, mapping, Groups.from_megatron()
+    )
+    return chunks, tconfig, mapping, loaded
+
+
+@torch.no_grad()
+def _logits(chunk, ref, ids: torch.Tensor, device) -> dict:
+    """Batch logits, and packed-THD logits of the two sequences, from megatron-core and transformers."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    batch = ids[:, : min(LENGTHS)]
+    positions = torch.arange(batch.shape[1], device=device)[None].expand_as(batch)
+    seqs = [ids[i, :n] for i, n in enumerate(LENGTHS)]
+    cu = torch.tensor([0, LENGTHS[0], sum(LENGTHS)], dtype=torch.int32, device=device)
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=max(LENGTHS),
+        max_seqlen_kv=max(LENGTHS),
+    )
+    packed_ids = torch.cat(seqs)[None]
+    packed_pos = torch.cat([torch.arange(n, device=device) for n in LENGTHS])[None]
+    return dict(
+        megatron_batch=chunk(batch, positions, None),
+        megatron_packed=chunk(packed_ids, packed_pos, None, packed_seq_params=params)[0],
+        ref_batch=ref(batch).logits,
+        ref_packed=torch.cat([ref(s[None]).logits[0] for s in seqs]),
+    )
+
+
+def main() -> None:
+    work = Path(sys.argv[1])
+    device = parallel.device()
+    with open(TINY) as f:
+        spec = ModelConfig(**yaml.safe_load(f)["model"])
+    directory = save_random_hf(spec, work / "hf", seed=0)
+    model = hf_io.load_config(directory)
+    hf = hf_io.load_tensors(directory)
+    parallel.init_parallel(MeshConfig(), model, seed=0)
+    ids = torch.randint(0, model.vocab_size, (2, max(LENGTHS)), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
+    from megatron.core.ssm.gated_delta_net import common
+
+    result: dict = dict(device=str(device), fla=common.HAVE_FLA, checkpoint_names=len(hf))
+    ref32 = _transformers(directory, torch.float32, device)
+    ref16 = _transformers(directory, torch.bfloat16, device)
+
+    # fp32: megatron-core (fla) vs transformers
+    chunks32, _, mapping, loaded = _megatron(model, hf, torch.float32, device)
+    full = {n for n, _ in mapping.to_megatron(hf)}
+    result["not_loaded"] = sorted(full - loaded)
+    out = _logits(chunks32[0], ref32, ids, device)
+    result["fp32_batch_error"] = _error(out["megatron_batch"], out["ref_batch"])
+    result["fp32_packed_error"] = _error(out["megatron_packed"], out["ref_packed"])
+    del chunks32
+
+    # bf16: megatron-core vs fp32 transformers, next to transformers' own bf16 error
+    chunks, tconfig, mapping, _ = _megatron(model, hf, torch.bfloat16, device)
+    out = _logits(chunks[0], ref32, ids, device)
+    out16 = _logits(chunks[0], ref16, ids, device)
+    result["bf16_batch_error"] = _error(out["megatron_batch"], out["ref_batch"])
+    result["bf16_packed_error"] = _error(out["megatron_packed"], out["ref_packed"])
+    result["transformers_bf16_batch_error"] = _error(out16["ref_batch"], out["ref_batch"])
+    result["transformers_bf16_packed_error"] = _error(out16["ref_packed"], out["ref_packed"])
+
+    # one GRPO step in bf16 with the distributed optimizer, on packed sequences
+    before = {n: p.detach().float().clone() for n, p in chunks[0].named_parameters()}
+    state = build_train_state(chunks, tconfig, OptimizerConfig(lr=1e-3, clip_grad=1.0), total_steps=1)
+    groups = synthetic_groups(vocab_size=model.vocab_size, groups=4, group_size=4, seed=0)
+    minibatch = plan(groups, dp_size=1, max_tokens=256, pad_multiple=1)
+    step = train_step(
+        state, minibatch.micro_batches(0), make_loss("grpo", LossConfig(), minibatch.normalizer, 0)
+    )
+    torch.cuda.synchronize()
+    after = dict(chunks[0].named_parameters())
+    unchanged = sorted(n for n, p in before.items() if torch.equal(p, after[n].detach().float()))
+    result.update(
+        step_loss=step.loss,
+        step_grad_norm=step.grad_norm,
+        step_finite=math.isfinite(step.loss) and math.isfinite(step.grad_norm),
+        step_update_successful=step.update_successful,
+        params=sorted(before),
+        params_unchanged=unchanged,
+    )
+
+    # export (weights_sync's conversion) into a transformers model through the embedded engine's loader
+    from transformers import AutoModelForCausalLM
+
+    from tidal.rollout.embedded.model import NamedTensorLoader
+
+    exported = [(n, t.detach().float().cpu()) for n, t in iter_hf(chunks, mapping, Groups.from_megatron())]
+    result["exported_names_match"] = sorted(n for n, _ in exported) == sorted(hf)
+    engine = AutoModelForCausalLM.from_config(model.to_hf_config(), dtype=torch.float32).eval()
+    NamedTensorLoader(engine).load(exported)
+    engine = engine.to(device)
+    engine16 = AutoModelForCausalLM.from_config(model.to_hf_config(), dtype=torch.bfloat16).eval()
+    NamedTensorLoader(engine16).load([(n, t.bfloat16()) for n, t in exported])
+    engine16 = engine16.to(device)
+    out = _logits(chunks[0], engine, ids, device)
+    out16 = _logits(chunks[0], engine16, ids, device)
+    result["synced_bf16_error"] = _error(out["megatron_batch"], out["ref_batch"])
+    result["synced_transformers_bf16_error"] = _error(out16["ref_batch"], out["ref_batch"])
+    parallel.shutdown()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""The tiny Qwen3.5 (Gated DeltaNet + gated attention + MoE) trains, exports and matches transformers on CUDA.
+
+Needs CUDA and flash-linear-attention (megatron-core's GatedDeltaNet runs fla's Triton kernels; there is
+no CPU path). The child (``child_families_qwen3_5.py``) measures; this file judges:
+
+- fp32: megatron-core's logits equal transformers' within ``FP32_RTOL`` of the largest logit, for a batch
+  and for two sequences packed in one THD row (the trainer's layout; fla's varlen kernels);
+- bf16: megatron-core in bf16 is as close to the fp32 reference as transformers in bf16 is, within a
+  factor ``BF16_FACTOR`` (both round weights and activations to 8 mantissa bits; the two implementations
+  round in different places), and never further than ``BF16_RTOL`` of the largest logit;
+- one GRPO step with the distributed optimizer is finite and moves every parameter, Gated DeltaNet's too;
+- the weights after the step, exported through the weight mapping (what weights_sync sends) and loaded by
+  the embedded engine's loader into transformers' Qwen3.5, give megatron-core's logits (bf16 bounds).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+# fla's Triton kernels multiply fp32 inputs in TF32 (10-bit mantissa, relative 2**-11 per product)
+FP32_RTOL = 5e-3
+BF16_FACTOR = 2.0
+BF16_RTOL = 5e-2
+
+
+def _fla_skip_reason() -> str | None:
+    try:
+        import fla  # noqa: F401
+    except ImportError:
+        return (
+            "needs flash-linear-attention (pip install fla-core, the gpu extra): megatron-core's GatedDeltaNet "
+            "runs its Triton kernels"
+        )
+    return None
+
+
+@pytest.fixture(scope="module")
+def run(child, tmp_path_factory) -> dict:
+    reason = _fla_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    work = tmp_path_factory.mktemp("qwen3_5")
+    return child("child_families_qwen3_5.py", str(work), timeout_s=480, log=work / "child.log")
+
+
+def test_checkpoint_loads_completely(run):
+    assert run["device"].startswith("cuda")
+    assert run["fla"]
+    assert run["not_loaded"] == []
+
+
+@pytest.mark.parametrize("layout", ["batch", "packed"])
+def test_fp32_logits_match_transformers(run, layout):
+    assert run[f"fp32_{layout}_error"] < FP32_RTOL, run
+
+
+@pytest.mark.parametrize("layout", ["batch", "packed"])
+def test_bf16_logits_match_transformers(run, layout):
+    error, reference = run[f"bf16_{layout}_error"], run[f"transformers_bf16_{layout}_error"]
+    assert error < BF16_RTOL, run
+    assert error <= BF16_FACTOR * reference + FP32_RTOL, run
+
+
+def test_one_train_step_moves_every_trained_parameter(run):
+    assert run["step_finite"] and run["step_update_successful"], run
+    assert run["step_grad_norm"] > 0
+    # Adam's first step moves every parameter that has a gradient; only a routed expert that no token of
+    # the batch chose may have none
+    assert all(".mlp.experts." in n for n in run["params_unchanged"]), run["params_unchanged"]
+    gdn = [n for n in run["params"] if ".layers.0.self_attention." in n]
+    assert {n.rsplit(".", 2)[-2] + "." + n.rsplit(".", 1)[-1] for n in gdn} >= {
+        "self_attention.A_log",
+        "self_attention.dt_bias",
+        "in_proj.weight",
+        "conv1d.weight",
+        "out_norm.weight",
+        "out_proj.weight",
+    }, gdn
+
+
+def test_exported_weights_give_megatron_logits_in_transformers(run):
+    assert run["exported_names_match"]
+    error, reference = run["synced_bf16_error"], run["synced_transformers_bf16_error"]
+    assert error < BF16_RTOL, run
+    assert error <= BF16_FACTOR * reference + FP32_RTOL, run
