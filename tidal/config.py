@@ -33,6 +33,22 @@ class WarmupConfig(BaseModel):
     )
 
 
+class GpuConfig(BaseModel):
+    """Which GPUs ``tidal run`` gives each process when ``device: cuda`` (indices among the visible GPUs)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    trainer: list[int] | None = Field(
+        None, description="one GPU per trainer rank; None: GPUs 0 .. trainer.nproc - 1"
+    )
+    engines: list[int] | None = Field(
+        None,
+        description="GPUs of the rollout nodes, node i on engines[i % len(engines)]; None: the GPUs the "
+        "trainer does not use, or, when it uses them all, the trainer's first GPU (colocated: weights by "
+        "CUDA IPC, engines asleep while the trainer steps)",
+    )
+
+
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -47,6 +63,7 @@ class RunConfig(BaseModel):
     trainer: TrainerConfig = TrainerConfig()
     weights_sync: WeightSyncConfig = WeightSyncConfig()
     warmup: WarmupConfig = WarmupConfig()
+    gpus: GpuConfig = GpuConfig()
 
     @model_validator(mode="after")
     def _check_warmup_batch(self) -> RunConfig:

@@ -37,6 +37,107 @@ class RunOptions:
     control: bool = True
 
 
+# NVLink multicast off in every process (the device machines refuse it; docs/gpu.md)
+MULTICAST_OFF = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+@dataclass
+class Placement:
+    """Where each process runs: its environment, and the config overrides that follow from it."""
+
+    trainer_env: dict[str, str]
+    node_envs: list[dict[str, str]]
+    overrides: dict[str, object]
+    colocated: bool = False
+    summary: str = "CPU"
+
+
+def _visible_gpus() -> tuple[int, list[str]]:
+    import os
+
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+    return count, (visible[:count] if visible else [str(i) for i in range(count)])
+
+
+def plan_placement(config: RunConfig, gpus: tuple[int, list[str]] | None = None) -> Placement:
+    """GPUs per process for ``config.device``; a combination that cannot run fails here, before anything starts.
+
+    ``device: cpu`` hides the GPUs from every process (the trainer would otherwise take one). ``device: cuda``:
+    trainer rank r on ``gpus.trainer[r]``; rollout node i on ``gpus.engines[i % n]``. Engines on the
+    trainer's first GPU are colocated with its sender (CUDA IPC, ``weights_sync.transport=cuda_ipc``);
+    engines on other GPUs get the weights over NCCL (``collective``).
+    """
+    engine = config.rollout.engine
+    embedded = engine.type == "embedded"
+    nodes = config.rollout.nodes
+    if config.device == "cpu":
+        if embedded and engine.device.startswith("cuda"):
+            raise ConfigError(
+                f"rollout.engine.device={engine.device!r} with device='cpu': tidal run places processes on "
+                "GPUs only with device=cuda; set device=cuda, or rollout.engine.device=cpu"
+            )
+        hidden = {"CUDA_VISIBLE_DEVICES": ""}
+        return Placement(dict(hidden), [dict(hidden) for _ in range(nodes)], {})
+    import torch
+
+    count, ids = gpus if gpus is not None else _visible_gpus()
+    if count == 0:
+        raise ConfigError(
+            f"device='cuda' needs a CUDA device, and torch {torch.__version__} sees none on this host: "
+            "run on a GPU machine, or set device=cpu"
+        )
+    nproc = config.trainer.nproc
+    trainer = config.gpus.trainer if config.gpus.trainer is not None else list(range(nproc))
+    if len(trainer) != nproc:
+        raise ConfigError(
+            f"gpus.trainer={trainer} lists {len(trainer)} GPU(s) for trainer.nproc={nproc} ranks: one per rank"
+        )
+    if config.gpus.engines is not None:
+        engines = config.gpus.engines
+    else:
+        engines = [g for g in range(count) if g not in trainer] or [trainer[0]]
+    bad = [g for g in [*trainer, *engines] if not 0 <= g < count]
+    if bad or len(set(trainer)) != len(trainer) or not engines:
+        raise ConfigError(
+            f"gpus.trainer={trainer}, gpus.engines={engines}: GPU indices must be distinct per trainer rank, "
+            f"non-empty for engines, and in [0, {count}) ({count} visible: {ids})"
+        )
+    node_gpus = [engines[i % len(engines)] for i in range(nodes)]
+    colocated = {g == trainer[0] for g in node_gpus}
+    if colocated == {True, False}:
+        raise ConfigError(
+            f"gpus.engines={engines}: rollout nodes on GPUs {node_gpus} mix the trainer's first GPU "
+            f"({trainer[0]}, colocated: CUDA IPC) with others (NCCL): put every node on one kind"
+        )
+    colocated_mode = colocated == {True}
+    transport = config.weights_sync.transport
+    wanted = "cuda_ipc" if colocated_mode else "collective"
+    if transport not in ("auto", wanted):
+        raise ConfigError(
+            f"weights_sync.transport={transport!r} with engines on GPUs {node_gpus} and the trainer's sender on "
+            f"GPU {trainer[0]}: {'NCCL refuses two ranks on one GPU' if colocated_mode else 'CUDA IPC needs the engines on the sender GPU'}; "
+            f"use {wanted!r} or 'auto'"
+        )
+    overrides: dict[str, object] = {"weights_sync.transport": wanted}
+    if embedded:
+        overrides["rollout.engine.device"] = "cuda"
+        if config.trainer.bf16 and engine.dtype == "float32":
+            overrides["rollout.engine.dtype"] = "bfloat16"  # sample in the precision the trainer computes in
+    env = dict(MULTICAST_OFF)
+    trainer_env = {**env, "CUDA_VISIBLE_DEVICES": ",".join(ids[g] for g in trainer)}
+    node_envs = [{**env, "CUDA_VISIBLE_DEVICES": ids[g]} for g in node_gpus]
+    mode = "colocated (CUDA IPC, engines asleep while the trainer steps)" if colocated_mode else "NCCL"
+    summary = f"trainer on GPU(s) {[ids[g] for g in trainer]}, rollout nodes on {[ids[g] for g in node_gpus]}, {mode}"
+    return Placement(trainer_env, node_envs, overrides, colocated_mode, summary)
+
+
 def parse_options(args: list[str]) -> RunOptions:
     opts = RunOptions()
     it = iter(args)
@@ -118,6 +219,8 @@ def main(config: RunConfig, args: list[str]) -> int:
         config = load_config(RunConfig, Path(opts.resume) / "config.yaml")
     if opts.sync:
         config = _with(config, {"broker.max_staleness": 0})
+    placement = plan_placement(config)  # a device combination that cannot run fails before anything starts
+    config = _with(config, placement.overrides)
     from tidal.rollout.tasks import prepare_task
 
     rd = RunDir(config.run_dir)
@@ -136,18 +239,19 @@ def main(config: RunConfig, args: list[str]) -> int:
     try:
         files = prepare_task(config, rd.root)
         view.event(f"task {config.task.name}: data in {files.train.parent}, tokenizer {files.tokenizer}")
+        view.event(f"placement: {placement.summary}")
         from tidal.bootstrap import init_hf_model
 
         init_hf_model(config.model, files.tokenizer, rd.init_hf, seed=config.seed)
         t0 = time.time()
         if not (rd.sft_hf / "config.json").exists():
             view.event("supervised warm-up (tidal sft)")
-            run_phase(sup, warmup_spec(config, rd))
+            run_phase(sup, warmup_spec(config, rd, placement.trainer_env))
         sft_wall = time.time() - t0
         with view:
-            grpo_wall = run_grpo(config, rd, sup, view, files)
+            grpo_wall = run_grpo(config, rd, sup, view, files, placement)
         stop_job(sup)
-        results = evaluate_all(config, rd, sup, view, files, grpo_wall, opts.control)
+        results = evaluate_all(config, rd, sup, view, files, grpo_wall, opts.control, placement)
         results["sft_wall_s"] = sft_wall
         results["grpo_wall_s"] = grpo_wall
         results["journal"] = journal_summary(config, rd)
@@ -181,7 +285,7 @@ def stop_job(sup: Supervisor) -> None:
     )
 
 
-def warmup_spec(config: RunConfig, rd: RunDir) -> ProcessSpec:
+def warmup_spec(config: RunConfig, rd: RunDir, env: dict[str, str] | None = None) -> ProcessSpec:
     """``tidal sft`` from the initial model with the warm-up's own schedule (annealed to zero)."""
     w = config.warmup
     overrides = [
@@ -194,10 +298,12 @@ def warmup_spec(config: RunConfig, rd: RunDir) -> ProcessSpec:
         overrides.append(f"broker.batch_groups={w.batch_size // config.broker.group_size}")
     flags = [f"--init={rd.init_hf}", f"--out={rd.sft}", f"--steps={w.steps}"]
     cmd = torchrun_cmd(config.trainer.nproc, free_port(), "sft", str(rd.config), *overrides, *flags)
-    return ProcessSpec(name="sft", cmd=cmd, log=rd.logs / "sft.log", expect_exit=True)
+    return ProcessSpec(name="sft", cmd=cmd, log=rd.logs / "sft.log", env=env or {}, expect_exit=True)
 
 
-def control_spec(config: RunConfig, rd: RunDir, wall_s: float) -> ProcessSpec:
+def control_spec(
+    config: RunConfig, rd: RunDir, wall_s: float, env: dict[str, str] | None = None
+) -> ProcessSpec:
     """The control: continued SFT from the warm-up at GRPO's learning rate for GRPO's wall time."""
     flags = [
         f"--init={rd.sft_hf}",
@@ -214,10 +320,10 @@ def control_spec(config: RunConfig, rd: RunDir, wall_s: float) -> ProcessSpec:
         "trainer.optimizer.schedule=constant",
         *flags,
     )
-    return ProcessSpec(name="control", cmd=cmd, log=rd.logs / "control.log", expect_exit=True)
+    return ProcessSpec(name="control", cmd=cmd, log=rd.logs / "control.log", env=env or {}, expect_exit=True)
 
 
-def run_grpo(config: RunConfig, rd: RunDir, sup: Supervisor, view, files) -> float:
+def run_grpo(config: RunConfig, rd: RunDir, sup: Supervisor, view, files, placement: Placement) -> float:
     """Broker + rollout nodes + trainer until the trainer finishes its steps; returns the wall time."""
     from tidal.broker.client import BrokerClient
     from tidal.live_view import read_metrics
@@ -226,7 +332,12 @@ def run_grpo(config: RunConfig, rd: RunDir, sup: Supervisor, view, files) -> flo
     host = config.broker.bind.split("//", 1)[1].rsplit(":", 1)[0]
     data_override = f"broker.data.path={files.train}"
     sup.start(
-        ProcessSpec("broker", python_cmd("broker", str(rd.config), data_override), rd.logs / "broker.log")
+        ProcessSpec(
+            "broker",
+            python_cmd("broker", str(rd.config), data_override),
+            rd.logs / "broker.log",
+            env={"CUDA_VISIBLE_DEVICES": ""},  # the broker computes nothing on a GPU
+        )
     )
     wait_for_tcp(host, port, 30, sup.states["broker"].proc)
     for i in range(config.rollout.nodes):
@@ -239,12 +350,27 @@ def run_grpo(config: RunConfig, rd: RunDir, sup: Supervisor, view, files) -> flo
             "--name",
             f"node{i}",
         )
-        sup.start(ProcessSpec(f"rollout{i}", cmd, rd.logs / f"rollout{i}.log", restart=True, max_restarts=5))
+        sup.start(
+            ProcessSpec(
+                f"rollout{i}",
+                cmd,
+                rd.logs / f"rollout{i}.log",
+                env=placement.node_envs[i],
+                restart=True,
+                max_restarts=5,
+            )
+        )
     train_cmd = torchrun_cmd(
         config.trainer.nproc, free_port(), "train", str(rd.config), f"--init={rd.sft}", f"--out={rd.train}"
     )
     trainer = ProcessSpec(
-        "trainer", train_cmd, rd.logs / "trainer.log", restart=True, max_restarts=3, expect_exit=True
+        "trainer",
+        train_cmd,
+        rd.logs / "trainer.log",
+        env=placement.trainer_env,
+        restart=True,
+        max_restarts=3,
+        expect_exit=True,
     )
     t0 = time.time()
     sup.start(trainer)
@@ -272,7 +398,14 @@ def run_grpo(config: RunConfig, rd: RunDir, sup: Supervisor, view, files) -> flo
 
 
 def evaluate_all(
-    config: RunConfig, rd: RunDir, sup: Supervisor, view, files, grpo_wall: float, control: bool
+    config: RunConfig,
+    rd: RunDir,
+    sup: Supervisor,
+    view,
+    files,
+    grpo_wall: float,
+    control: bool,
+    placement: Placement,
 ) -> dict:
     from tidal.evaluate import evaluate_dir
     from tidal.rollout.tasks import build_task
@@ -286,7 +419,7 @@ def evaluate_all(
     results["grpo"] = evaluate_dir(rd.final_hf, task, rows, max_new).as_dict()
     if control:
         view.event(f"control: continued SFT at GRPO's lr for {grpo_wall:.0f}s")
-        run_phase(sup, control_spec(config, rd, grpo_wall))
+        run_phase(sup, control_spec(config, rd, grpo_wall, placement.trainer_env))
         results["control_sft"] = evaluate_dir(rd.control / "hf", task, rows, max_new).as_dict()
     return results
 
