@@ -31,6 +31,13 @@ class WeightSyncConfig(BaseModel):
         "that receive in bucket_seq order (tidal's; they load bucket k while receiving k+1); 1: one at a "
         "time. SGLang engines always get one at a time",
     )
+    own_broadcast_bytes: int | None = Field(
+        1 << 20,
+        gt=0,
+        description="to engines that declare bucket_segments (tidal's), a contiguous tensor of at least this "
+        "many bytes goes out as a broadcast of its own, straight from its memory (no pack copy), and such "
+        "an engine receives it straight into its weight while paused (no load copy); None: pack everything",
+    )
     master_port: int = Field(
         0, ge=0, description="0: pick a free port; else pipeline stage s uses master_port + s"
     )

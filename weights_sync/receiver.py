@@ -56,6 +56,7 @@ class BucketOrderError(RuntimeError):
 class ReceiveStats:
     buckets: int = 0
     bytes: int = 0
+    in_place_bytes: int = 0  # of ``bytes``: received straight into a ``target``
     receive_s: float = 0.0  # from the announcement's arrival to its bytes' arrival (turn wait included)
     load_s: float = 0.0  # from the bytes' arrival until the handler released them
 
@@ -110,10 +111,11 @@ class WeightReceiver:
         with self._lock:
             self.stats = ReceiveStats()
 
-    def _count(self, nbytes: int, receive_s: float, load_s: float) -> None:
+    def _count(self, nbytes: int, receive_s: float, load_s: float, in_place: int = 0) -> None:
         with self._lock:
             self.stats.buckets += 1
             self.stats.bytes += nbytes
+            self.stats.in_place_bytes += in_place
             self.stats.receive_s += receive_s
             self.stats.load_s += load_s
 
@@ -258,7 +260,8 @@ class WeightReceiver:
             if arrived is not None:  # the caller's load read this buffer on its stream: finish it first
                 torch.cuda.current_stream(buf.device).synchronize()
             slot.lock.release()
-            self._count(nbytes, t1 - t0, time.perf_counter() - t1)
+            in_place = sum(views[i][1].numel() * views[i][1].element_size() for i in direct)
+            self._count(nbytes, t1 - t0, time.perf_counter() - t1, in_place)
 
     def receive_tensors(
         self,

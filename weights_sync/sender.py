@@ -21,6 +21,7 @@ import itertools
 import queue
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -101,6 +102,7 @@ class WeightSender:
         self._group: transport.WeightGroup | None = None
         self._group_engines: list[str] = []
         self._ordered = False  # every engine of the group receives in bucket_seq order
+        self._segmented = False  # ... and takes a bucket as several broadcasts (bucket_segments)
         self._seq = itertools.count()
         self._generation = itertools.count()
         self._staging: list[torch.Tensor | None] = [None, None]
@@ -153,7 +155,8 @@ class WeightSender:
             with contextlib.suppress(Exception):
                 f.result(timeout=self.config.timeout_s)
         self._group.destroy()
-        self._group, self._group_engines, self._ordered = None, [], False
+        self._group, self._group_engines = None, []
+        self._ordered = self._segmented = False
 
     def _connect(self, report: SyncReport) -> None:
         """(Re)build the weight-update group over the engines that answer."""
@@ -200,7 +203,9 @@ class WeightSender:
             raise _Failed(f"weight-update group {name} could not be formed: {exc}") from exc
         failed = _settle(futures, self.config.timeout_s)
         self._group, self._group_engines = group, urls
-        self._ordered = not failed and all(f.result() for f in futures.values())
+        declared = [f.result() for f in futures.values()] if not failed else []
+        self._ordered = bool(declared) and all("ordered_buckets" in d for d in declared)
+        self._segmented = self._ordered and all("bucket_segments" in d for d in declared)
         self._seq = itertools.count()  # bucket_seq restarts with each group
         if failed:
             for u in failed:
@@ -302,18 +307,29 @@ class WeightSender:
                 if sent is not None:  # its broadcast ran on the send stream
                     torch.cuda.current_stream(self.device).wait_event(sent)
                 t0 = time.perf_counter()
-                need = sum(t.numel() * t.element_size() for _, t in items)
+                runs = _segments(items, self.config.own_broadcast_bytes if self._segmented else None)
+                need = sum(_nbytes(t) for direct, run in runs if not direct for _, t in run)
                 if staging is None or staging.numel() < need:
                     staging = torch.empty(max(need, bucket_bytes), dtype=torch.uint8, device=self.device)
-                buf, spec = bucket.pack(items, out=staging)
-                crc = bucket.checksum(buf) if self.config.verify_checksums else None
+                payload, offset = [], 0  # the bucket's broadcasts, in order
+                for direct, run in runs:
+                    if direct:  # sent from its own memory: nothing to copy
+                        payload.append(run[0][1].detach().reshape(-1).view(torch.uint8))
+                        continue
+                    n = sum(_nbytes(t) for _, t in run)
+                    payload.append(bucket.pack(run, out=staging[offset : offset + n])[0])
+                    offset += n
+                spec = _spec(items)
+                crc = _checksum(payload) if self.config.verify_checksums else None
+                # announced whenever a tensor goes on its own: the engine may then receive it in place
+                counts = [len(run) for _, run in runs] if any(direct for direct, _ in runs) else None
                 packed = None
                 if cuda:
                     packed = torch.cuda.Event()
                     packed.record(torch.cuda.current_stream(self.device))
                 report.pack_s += time.perf_counter() - t0
-                announced = self._announce(group, spec, crc, version) if window > 1 else None
-                ready.put((staging, buf, spec, crc, announced, packed))
+                announced = self._announce(group, spec, crc, version, counts) if window > 1 else None
+                ready.put((staging, payload, spec, crc, counts, announced, packed))
         finally:
             ready.put(None)
             sender.join()
@@ -323,7 +339,9 @@ class WeightSender:
         _drain(it)  # after a failure: keep gathering so the other ranks' collectives complete
         return errors[0] if errors else None
 
-    def _announce(self, group, spec: bucket.BucketSpec, crc: int | None, version: int) -> dict[str, Future]:
+    def _announce(
+        self, group, spec: bucket.BucketSpec, crc: int | None, version: int, segments: list[int] | None
+    ) -> dict[str, Future]:
         """POST the bucket's ``/update_weights_from_distributed`` to every engine (replies come after its load)."""
         seq = next(self._seq) if self._ordered else None
         clients = {u: self._clients.get(u) for u in self._group_engines}  # one may be dropped meanwhile
@@ -338,6 +356,7 @@ class WeightSender:
                 flush_cache=True,
                 checksum=crc,
                 seq=seq,
+                segments=segments,
             )
             for u, client in clients.items()
             if client is not None
@@ -351,19 +370,20 @@ class WeightSender:
             torch.cuda.set_device(self.device)  # the current device is per thread
             stream = torch.cuda.Stream(self.device)
         while (item := ready.get()) is not None:
-            staging, buf, spec, crc, announced, packed = item
+            staging, payload, spec, crc, segments, announced, packed = item
             sent = None
+            nbytes = sum(part.numel() for part in payload)
             if not errors:
                 t0 = time.perf_counter()
                 try:
                     if announced is None:
-                        announced = self._announce(group, spec, crc, version)
-                    if stream is None:
-                        self._broadcast(group, buf, report)
-                    else:
+                        announced = self._announce(group, spec, crc, version, segments)
+                    if stream is not None:
                         stream.wait_event(packed)
-                        with torch.cuda.stream(stream):
-                            self._broadcast(group, buf, report)
+                    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                        for part in payload:
+                            self._broadcast(group, part, report)
+                    if stream is not None:
                         sent = torch.cuda.Event()
                         sent.record(stream)
                     replies.append(announced)
@@ -373,8 +393,8 @@ class WeightSender:
                     errors.append(exc)
                 report.transfer_s += time.perf_counter() - t0
                 report.buckets += 1
-                report.bytes += buf.numel()
-                report.bucket_sizes.append(buf.numel())
+                report.bytes += nbytes
+                report.bucket_sizes.append(nbytes)
             free.put((staging, sent))
         t0 = time.perf_counter()
         try:
@@ -436,6 +456,45 @@ def raw_broadcast(sender: WeightSender, sizes: list[int]) -> float:
     if failed:
         raise RuntimeError(f"raw receive failed on {failed}")
     return time.perf_counter() - t0
+
+
+def _checksum(payload: list[torch.Tensor]) -> int:
+    """CRC32 of the bucket's bytes, its broadcasts one after the other (what the receiver's buffer holds)."""
+    crc = 0
+    for part in payload:
+        crc = zlib.crc32(part.detach().cpu().numpy(), crc)
+    return crc
+
+
+def _nbytes(t: bucket.Packable) -> int:
+    return t.numel() * t.element_size()
+
+
+def _spec(items: list[tuple[str, bucket.Packable]]) -> bucket.BucketSpec:
+    return bucket.BucketSpec(
+        names=[n for n, _ in items],
+        dtypes=[bucket.dtype_name(t.dtype) for _, t in items],
+        shapes=[list(t.shape) for _, t in items],
+    )
+
+
+def _segments(
+    items: list[tuple[str, bucket.Packable]], own_bytes: int | None
+) -> list[tuple[bool, list[tuple[str, bucket.Packable]]]]:
+    """The bucket's broadcasts: (True, [tensor]) for a contiguous tensor of at least ``own_bytes`` sent
+    from its own memory, (False, run) for consecutive tensors packed into the staging buffer."""
+    if own_bytes is None:
+        return [(False, items)]
+    runs: list[tuple[bool, list[tuple[str, bucket.Packable]]]] = []
+    for name, t in items:
+        own = isinstance(t, torch.Tensor) and t.is_contiguous() and _nbytes(t) >= own_bytes
+        if own:
+            runs.append((True, [(name, t)]))
+        elif runs and not runs[-1][0]:
+            runs[-1][1].append((name, t))
+        else:
+            runs.append((False, [(name, t)]))
+    return runs
 
 
 def _failed(future: Future, timeout_s: float) -> bool:

@@ -92,6 +92,7 @@ class UpdateDistributedBody(_Body):
     torch_empty_cache: bool = False
     checksum: int | None = None  # tidal's extension: CRC32 of a flattened bucket (SGLang ignores it)
     bucket_seq: int | None = Field(None, ge=0)  # tidal's extension: the bucket's place in the sender's order
+    segments: list[int] | None = None  # tidal's extension: tensors per broadcast of the bucket
 
 
 class UpdateVersionBody(_Body):
@@ -283,6 +284,7 @@ def create_app(engine: EmbeddedEngine, *, host: str = "", port: int = 0) -> Fast
                 abort_all_requests=body.abort_all_requests,
                 checksum=body.checksum,
                 bucket_seq=body.bucket_seq,
+                segments=body.segments,
             )
         except (*ENGINE_ERRORS, RuntimeError) as exc:
             return result(False, f"Failed to update parameter online: {exc}")

@@ -69,6 +69,10 @@ def _served(url: str, name: str) -> torch.Tensor:
     return torch.tensor(resp.json(), dtype=torch.float32)  # fp32 -> JSON double -> fp32 is exact
 
 
+def _stats(url: str) -> dict:
+    return httpx.get(f"{url}/tidal/stats", timeout=30).json()
+
+
 def _greedy(url: str) -> list[int]:
     body = {
         "input_ids": PROMPT,
@@ -79,9 +83,9 @@ def _greedy(url: str) -> list[int]:
     return resp.json()["output_ids"]
 
 
-def _sync(url: str, weights: dict[str, torch.Tensor], version: int):
+def _sync(url: str, weights: dict[str, torch.Tensor], version: int, **config):
     # 16 KiB buckets: ~20 buckets for this ~300 KB model, so many are announced ahead of their replies
-    config = WeightSyncConfig(bucket_bytes=16 << 10, timeout_s=30, verify_checksums=True)
+    config = WeightSyncConfig(bucket_bytes=16 << 10, timeout_s=30, **config)
     sender = WeightSender(config, [EngineEndpoint(url)])
     try:
         report = sender.sync(lambda: iter(weights.items()), version=version)
@@ -106,16 +110,18 @@ def _bucket_body(name: str, tensor: torch.Tensor, group_name: str, seq: int) -> 
 def test_serve_receives_pipelined_ordered_buckets_bitwise(engine_url):
     url = engine_url
     new = _weights(seed=11)
-    before = httpx.get(f"{url}/tidal/stats", timeout=30).json()["buckets"]
+    before = _stats(url)
 
-    report, _ = _sync(url, new, version=1)
+    # tensors of 8 KiB and more go out on their own, straight into the paused engine's weights
+    report, _ = _sync(url, new, version=1, own_broadcast_bytes=8 << 10)
 
     assert report.ok and not report.dropped, report
-    assert report.inflight == 2, (
-        "the engine did not declare ordered_buckets: announcements went one at a time"
-    )
+    assert report.inflight == 2, "the engine did not declare ordered_buckets: one announcement at a time"
     assert report.buckets >= 10
-    assert httpx.get(f"{url}/tidal/stats", timeout=30).json()["buckets"] - before == report.buckets
+    after = _stats(url)
+    assert after["buckets"] - before["buckets"] == report.buckets
+    in_place = sum(t.numel() * 4 for t in new.values() if t.numel() * 4 >= 8 << 10)
+    assert after["in_place_bytes"] - before["in_place_bytes"] == in_place > 0
     differ = [n for n, t in new.items() if not torch.equal(_served(url, n), t)]
     assert not differ, f"tensors not equal bitwise after the sync: {differ}"
     assert httpx.get(f"{url}/model_info", timeout=30).json()["weight_version"] == "1"
@@ -125,6 +131,12 @@ def test_serve_receives_pipelined_ordered_buckets_bitwise(engine_url):
     )[0, len(PROMPT) :].tolist()
     assert _greedy(url) == expected
 
+    # with checksums every byte lands in the receive buffer first (the checksum covers it): still bitwise
+    again = {n: t + 1 for n, t in new.items()}
+    report, _ = _sync(url, again, version=2, own_broadcast_bytes=8 << 10, verify_checksums=True)
+    assert report.ok and _stats(url)["in_place_bytes"] == after["in_place_bytes"]
+    assert all(torch.equal(_served(url, n), t) for n, t in again.items())
+
 
 def test_a_reused_or_missing_bucket_seq_is_refused_and_the_engine_keeps_serving(engine_url):
     url = engine_url
@@ -132,7 +144,7 @@ def test_a_reused_or_missing_bucket_seq_is_refused_and_the_engine_keeps_serving(
     sender = WeightSender(config, [EngineEndpoint(url)])
     name, tensor = "model.norm.weight", torch.ones(MODEL["hidden_size"])
     try:
-        assert sender.sync(lambda: iter([(name, tensor)]), version=2).ok  # bucket_seq 0 is used
+        assert sender.sync(lambda: iter([(name, tensor)]), version=5).ok  # bucket_seq 0 is used
         group_name = sender._group.name
 
         reused = httpx.post(
@@ -168,5 +180,5 @@ def test_a_reused_or_missing_bucket_seq_is_refused_and_the_engine_keeps_serving(
 
     assert httpx.get(f"{url}/health", timeout=30).status_code == 200
     assert len(_greedy(url)) == 8
-    again, _ = _sync(url, {name: torch.full_like(tensor, 0.25)}, version=3)  # a fresh group works
+    again, _ = _sync(url, {name: torch.full_like(tensor, 0.25)}, version=6)  # a fresh group works
     assert again.ok and torch.equal(_served(url, name), torch.full_like(tensor, 0.25))
