@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 import torch
+import torch.multiprocessing  # noqa: F401 - registers torch's reductions (CUDA IPC handles) with ForkingPickler
 
 from tidal.weights_sync import bucket
 from tidal.weights_sync.config import WeightSyncConfig
