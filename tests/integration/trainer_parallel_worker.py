@@ -7,7 +7,7 @@ dispatcher=alltoall|allgather, loss=grpo|sft, prox=1 (recompute proximal logprob
 token-level TIS), kl=1 (KL to a frozen reference model built like the policy), save=RUN_DIR with save_after=N (checkpoint after N steps),
 kill=1 (SIGKILL every rank right after that checkpoint), resume=RUN_DIR (continue from its latest checkpoint),
 deterministic=1 (torch deterministic algorithms and megatron's deterministic mode), opt=dist_opt|fsdp2 (the
-optimizer kind). Rank 0 rewrites OUT after
+optimizer kind), bf16=1 (bf16 parameters and activations; the GPU suite's runs). Rank 0 rewrites OUT after
 every case. The cases of one launch share its process group (megatron's
 parallel state is rebuilt per case), which saves a process start per case on a small machine.
 """
@@ -68,7 +68,11 @@ def run_case(family: str, opts: dict[str, str], steps: int, on_kill) -> dict:
     torch.use_deterministic_algorithms(deterministic)
     layout = parallel.init_parallel(mesh, model, seed=0)
     tconfig = models.transformer_config(
-        model, mesh, moe_dispatcher=opts.get("dispatcher", "alltoall"), deterministic=deterministic
+        model,
+        mesh,
+        moe_dispatcher=opts.get("dispatcher", "alltoall"),
+        deterministic=deterministic,
+        bf16=opts.get("bf16") == "1",
     )
     chunks = models.build_model(model, tconfig, seed=1)
     optimizer = OptimizerConfig(kind=opts.get("opt", "dist_opt"), lr=1e-3, clip_grad=1.0)
