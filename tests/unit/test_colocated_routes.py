@@ -88,3 +88,42 @@ def test_sleep_and_wake_over_http_keep_greedy_output(engine):
     assert done["out"]["output_ids"] == before
     assert http.post("/generate", json=GREEDY).json()["output_ids"] == before
     http.close()
+
+
+def test_sender_puts_engines_to_sleep_for_a_step_and_wakes_them_for_the_sync(engine):
+    """The trainer side's orchestration over HTTP (no bucket is sent: CUDA IPC needs a GPU, so the
+    sender is given a CUDA device name it never touches and an empty source)."""
+    import torch
+
+    from tidal.weights_sync.colocated import ColocatedSender
+    from tidal.weights_sync.config import WeightSyncConfig
+    from tidal.weights_sync.engine_api import EngineEndpoint
+
+    http = httpx.Client(base_url=engine, timeout=60)
+    before = http.post("/generate", json=GREEDY).json()["output_ids"]
+    sender = ColocatedSender(WeightSyncConfig(), [EngineEndpoint(engine)], device=torch.device("cuda", 0))
+    try:
+        assert sender.sleep() == [] and sender.asleep == {engine}
+        state = http.get("/server_info").json()["internal_states"][0]
+        assert state["paused"] == "retract"  # retracted, then released
+        assert http.post("/continue_generation", json={}).status_code == 400
+
+        done: dict = {}
+        waiting = threading.Thread(
+            target=lambda: done.update(out=httpx.post(f"{engine}/generate", json=GREEDY, timeout=60).json())
+        )
+        waiting.start()
+        time.sleep(0.5)
+        assert not done, "an asleep engine generated"
+        report = sender.sync(lambda: iter([]), version=5)  # wakes, pauses in place, loads nothing, continues
+        assert report.ok and report.buckets == 0 and not sender.asleep
+        waiting.join(60)
+        assert done["out"]["output_ids"] == before
+        assert http.get("/server_info").json()["internal_states"][0]["paused"] is None
+
+        sender.sleep()
+        assert sender.wake() == [] and not sender.asleep
+        assert http.post("/generate", json=GREEDY).json()["output_ids"] == before
+    finally:
+        sender.close()
+        http.close()
