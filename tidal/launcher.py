@@ -133,7 +133,8 @@ def plan_placement(config: RunConfig, gpus: tuple[int, list[str]] | None = None)
     env = dict(MULTICAST_OFF)
     trainer_env = {**env, "CUDA_VISIBLE_DEVICES": ",".join(ids[g] for g in trainer)}
     node_envs = [{**env, "CUDA_VISIBLE_DEVICES": ids[g]} for g in node_gpus]
-    mode = "colocated (CUDA IPC, engines asleep while the trainer steps)" if colocated_mode else "NCCL"
+    asleep = ", engines asleep while the trainer steps" if config.weights_sync.colocated_sleep else ""
+    mode = f"colocated (CUDA IPC{asleep})" if colocated_mode else "NCCL"
     summary = f"trainer on GPU(s) {[ids[g] for g in trainer]}, rollout nodes on {[ids[g] for g in node_gpus]}, {mode}"
     return Placement(trainer_env, node_envs, overrides, colocated_mode, summary)
 
