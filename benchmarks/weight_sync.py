@@ -172,48 +172,76 @@ def megatron_source(model: ModelConfig, args):
     return lambda times: iter_hf(chunks, mapping, Groups.from_megatron(), times, packable=True)
 
 
-def run_size(sender: WeightSender, urls: list[str], target: int, model: ModelConfig, args) -> dict | None:
-    """Medians for one model size; None on the ranks that only help gather.
+# --variants: sender settings compared in one run, interleaved (each against its own raw broadcast)
+VARIANTS = {
+    "default": {},  # the configuration as given (pipelined, large tensors on their own broadcasts)
+    "packed": {"own_broadcast_bytes": None},  # pipelined, every tensor packed and loaded by copy
+    "serial": {"own_broadcast_bytes": None, "inflight_buckets": 1},  # one bucket at a time, as SGLang
+}
 
-    One unmeasured sync first (it builds the group on the first size and lets both sides allocate
-    their buffers and the engine its weights, as a trainer's first sync does); then ``--repeats`` pairs
-    of a full sync and a raw broadcast, back to back so that both see the same machine load.
+
+def run_size(sender: WeightSender, urls: list[str], target: int, model: ModelConfig, args) -> list[dict]:
+    """Medians for one model size, one result per ``--variants`` entry; [] on the ranks that only help
+    gather.
+
+    One unmeasured sync per variant first (it builds the group on the first size and lets both sides
+    allocate their buffers and the engine its weights, as a trainer's first sync does); then ``--repeats``
+    rounds, each a full sync of every variant followed by a raw broadcast of the same buckets, back to
+    back so that both see the same machine load.
     """
     make = megatron_source(model, args) if args.tp > 1 else local_source(model, args)
-    _checked(sender.sync(lambda: make(GatherTimes()), version=0))
-    full, raw, raw_cpu = [], [], []
-    for repeat in range(args.repeats):
-        for url in urls if sender.is_sender else []:
-            httpx.post(f"{url}/tidal/reset_stats", json={}, timeout=30).raise_for_status()
-        times = GatherTimes()
-        _synchronize(args.device)
-        cpu0 = _cpu_s(urls) if sender.is_sender else 0.0
-        report = _checked(sender.sync(lambda times=times: make(times), version=repeat + 1))
-        if not sender.is_sender:
-            continue
-        cpu1 = _cpu_s(urls)
-        stats = [httpx.get(f"{u}/tidal/stats", timeout=30).json() for u in urls]
-        full.append(
-            dict(
-                wall_s=report.wall_s,
-                gather_s=times.gather_s,
-                convert_s=times.convert_s,
-                pack_s=report.pack_s,
-                transfer_s=report.transfer_s,
-                load_s=max(s["load_s"] for s in stats),
-                cpu_s=cpu1 - cpu0,
-                bytes=report.bytes,
-                buckets=report.buckets,
+    base = sender.config
+    configs = {v: base.model_copy(update=VARIANTS[v]) for v in args.variants}
+    runs = {v: ([], [], []) for v in args.variants}  # full, raw, raw_cpu
+    version = 0
+    for config in configs.values():
+        sender.config = config
+        _checked(sender.sync(lambda: make(GatherTimes()), version=version))
+    for _ in range(args.repeats):
+        for v, config in configs.items():
+            sender.config = config
+            version += 1
+            full, raw, raw_cpu = runs[v]
+            for url in urls if sender.is_sender else []:
+                httpx.post(f"{url}/tidal/reset_stats", json={}, timeout=30).raise_for_status()
+            times = GatherTimes()
+            _synchronize(args.device)
+            cpu0 = _cpu_s(urls) if sender.is_sender else 0.0
+            report = _checked(sender.sync(lambda times=times: make(times), version=version))
+            if not sender.is_sender:
+                continue
+            cpu1 = _cpu_s(urls)
+            stats = [httpx.get(f"{u}/tidal/stats", timeout=30).json() for u in urls]
+            full.append(
+                dict(
+                    wall_s=report.wall_s,
+                    gather_s=times.gather_s,
+                    convert_s=times.convert_s,
+                    pack_s=report.pack_s,
+                    transfer_s=report.transfer_s,
+                    load_s=max(s["load_s"] for s in stats),
+                    in_place_bytes=min(s["in_place_bytes"] for s in stats),
+                    cpu_s=cpu1 - cpu0,
+                    bytes=report.bytes,
+                    buckets=report.buckets,
+                )
             )
-        )
-        raw.append(raw_broadcast(sender, report.bucket_sizes))  # the same broadcasts, bare
-        raw_cpu.append(_cpu_s(urls) - cpu1)
+            raw.append(raw_broadcast(sender, report.bucket_sizes))  # the same broadcasts, bare
+            raw_cpu.append(_cpu_s(urls) - cpu1)
+    sender.config = base
     if not sender.is_sender:
-        return None
+        return []
+    return [_summary(v, *runs[v], target, model, args) for v in args.variants]
+
+
+def _summary(
+    variant: str, full: list[dict], raw: list[float], raw_cpu: list[float], target, model, args
+) -> dict:
     nbytes = full[0]["bytes"]
     med = {k: statistics.median(r[k] for r in full) for k in full[0]}
     raw_s = statistics.median(raw)
     return dict(
+        variant=variant,
         target_mb=target >> 20,
         bytes=nbytes,
         layers=model.num_hidden_layers,
@@ -281,6 +309,15 @@ def main() -> int:
         help="WeightSyncConfig.inflight_buckets (1: one announcement at a time)",
     )
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=["default"],
+        choices=list(VARIANTS),
+        help="sender settings to compare in one run, interleaved: default (as configured), packed (no "
+        "tensor on its own broadcast: every byte packed and copied at load), serial (packed, one bucket "
+        "at a time)",
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     p.add_argument("--device", default="cpu")
@@ -352,15 +389,14 @@ def main() -> int:
             if args.engine == "serve":
                 procs, urls, sender = connect(model)
             try:
-                result = run_size(sender, urls, mb << 20, model, args)
+                sized = run_size(sender, urls, mb << 20, model, args)
             finally:
                 if args.engine == "serve":
                     disconnect(procs, sender)
                     procs, sender = [], None
             last = (mb, time.perf_counter() - t0)
-            if result is not None:
-                results.append(result)
-                _print(results[-1:], header=len(results) == 1)
+            _print(sized, header=not results)
+            results.extend(sized)
     finally:
         if sender is not None:
             disconnect(procs, sender)
@@ -425,14 +461,14 @@ def _out_of_time(args, start: float, last: tuple[int, float] | None, mb: int) ->
 def _print(results: list[dict], header: bool) -> None:
     if header:
         print(
-            f"{'size':>7} {'bytes':>12} {'sync GB/s':>9} {'raw GB/s':>8} {'ratio':>6} {'paired':>6} | "
+            f"{'variant':>8} {'size':>7} {'bytes':>12} {'sync GB/s':>9} {'raw GB/s':>8} {'ratio':>6} {'paired':>6} | "
             f"{'gather':>7} {'convert':>7} {'pack':>7} {'transfer':>8} {'load':>7} {'wall':>7} (s, medians) | "
             f"CPU s/GB sync raw"
         )
     for r in results:
         s = r["sync"]
         print(
-            f"{r['target_mb']:>5}MB {r['bytes']:>12} {r['sync_gbps']:>9.2f} {r['raw_gbps']:>8.2f} {r['ratio']:>6.2f} {r['paired_ratio']:>6.2f} | "
+            f"{r['variant']:>8} {r['target_mb']:>5}MB {r['bytes']:>12} {r['sync_gbps']:>9.2f} {r['raw_gbps']:>8.2f} {r['ratio']:>6.2f} {r['paired_ratio']:>6.2f} | "
             f"{s['gather_s']:>7.3f} {s['convert_s']:>7.3f} {s['pack_s']:>7.3f} {s['transfer_s']:>8.3f} "
             f"{s['load_s']:>7.3f} {s['wall_s']:>7.3f}              | "
             f"{r['sync_cpu_s_per_gb']:>8.2f} {r['raw_cpu_s_per_gb']:>4.2f}",
