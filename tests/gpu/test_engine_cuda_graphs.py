@@ -14,33 +14,21 @@ import time
 
 import pytest
 
+from tidal.rollout.embedded.testing import PROMPTS, tiny_config
+
 pytestmark = pytest.mark.gpu
 
-SHAPES = {
-    "qwen3": dict(
-        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96
-    ),
-    # 16 experts, top-2: buckets of 1-4 rows gather their experts, 8 and more run every expert
-    "qwen3_moe": dict(
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=16,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-    ),
-}
-PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18], [3, 1, 4, 1, 5, 9, 2]]
+FAMILIES = ["qwen3", "qwen3_moe"]
+# 16 experts, top-2: buckets of 1-4 rows gather their experts, 8 and more run every expert
+MOE_EXPERTS = {"qwen3_moe": dict(num_experts=16)}
 LENGTHS = [40, 6, 40, 17]  # one finishes early (compaction), lengths cross the 32 and 48 buckets
 BF16_LOGPROB_ATOL = 2e-2  # as in test_gpu_engine.py: bf16 rounding may turn a near-tie
 
 
 def build(family: str, dtype: str, seed: int = 1):
-    from tidal.model_config import ModelConfig
     from tidal.rollout.embedded.model import build_model
 
-    cfg = ModelConfig(family=family, vocab_size=96, num_hidden_layers=2, **SHAPES[family])
+    cfg = tiny_config(family, **MOE_EXPERTS.get(family, {}))
     return build_model(cfg, seed=seed, device="cuda", dtype=dtype)
 
 
@@ -113,7 +101,7 @@ def assert_fp32_transformers(ref, prompts, done) -> None:
         torch.testing.assert_close(torch.tensor(req.output_logprobs), chosen, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("family", list(SHAPES))
+@pytest.mark.parametrize("family", FAMILIES)
 def test_fp32_graph_replay_equals_transformers(family):
     from tidal.rollout.embedded.decode_step import DecodeGraphs
 

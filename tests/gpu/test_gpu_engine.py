@@ -14,40 +14,11 @@ import time
 
 import pytest
 
+from tidal.rollout.embedded.testing import PROMPTS, TINY_SHAPES, tiny_config
+
 pytestmark = pytest.mark.gpu
 
-SHAPES = {
-    "qwen3": dict(
-        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96
-    ),
-    "qwen3_moe": dict(
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-    ),
-    # MLA caches one latent "head"; HF's DeepseekV3 needs kv heads == heads and head_dim == rope dim
-    "deepseek_v3": dict(
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=8,
-        intermediate_size=96,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        kv_lora_rank=16,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
-    ),
-}
-PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18], [3, 1, 4, 1, 5, 9, 2]]
+FAMILIES = list(TINY_SHAPES)
 MAX_NEW = 24
 # bf16 logits carry 8 mantissa bits; the engine (batched, padded, its own attention) and transformers
 # (one row, SDPA) round differently, so a greedy token may be a near-tie of the reference's argmax
@@ -55,9 +26,8 @@ BF16_LOGPROB_ATOL = 2e-2
 
 
 def model_config(family: str):
-    from tidal.model_config import ModelConfig
 
-    return ModelConfig(family=family, vocab_size=96, num_hidden_layers=2, **SHAPES[family])
+    return tiny_config(family)
 
 
 def reference(lm, attention: str):
@@ -127,7 +97,7 @@ def generate_joining(lm, prompts: list[list[int]], max_new: int) -> dict[str, ob
         sched.stop()
 
 
-@pytest.mark.parametrize("family", list(SHAPES))
+@pytest.mark.parametrize("family", FAMILIES)
 def test_fp32_greedy_on_cuda_equals_transformers(family):
     import torch
 

@@ -14,33 +14,19 @@ import pytest
 import torch
 import transformers
 
-from tidal.model_config import ModelConfig
 from tidal.rollout.embedded.decode_step import DecodeGraphs, EagerDecode, batch_buckets, length_buckets
 from tidal.rollout.embedded.kv_cache import KVPool
 from tidal.rollout.embedded.lean import LeanDecoder
 from tidal.rollout.embedded.model import NamedTensorLoader, build_model
 from tidal.rollout.embedded.sampling import SamplingParams
 from tidal.rollout.embedded.scheduler import Request, Scheduler
+from tidal.rollout.embedded.testing import PROMPTS, tiny_config
 
-SHAPES = {
-    "qwen3": dict(
-        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96
-    ),
-    "qwen3_moe": dict(
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-    ),
-}
-PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18], [3, 1, 4, 1, 5, 9, 2]]
+FAMILIES = ["qwen3", "qwen3_moe"]
 
 
 def model(family: str, seed: int):
-    cfg = ModelConfig(family=family, vocab_size=96, num_hidden_layers=2, **SHAPES[family])
+    cfg = tiny_config(family)
     return build_model(cfg, seed=seed, device="cpu", dtype="float32")
 
 
@@ -92,7 +78,7 @@ def run(sched: Scheduler, prompts: list[list[int]], lengths: list[int], *, join_
     return [done[str(i)] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("family", list(SHAPES))
+@pytest.mark.parametrize("family", FAMILIES)
 def test_padded_bucket_decode_equals_transformers_with_joins_and_finishes(family):
     """The CUDA-graph step's padding (rows to 1/2/4/8, cache to 32/48/...) run eagerly: bucket 1 while one
     request decodes (MoE: top-k experts gathered), then 4 rows (MoE: all experts, router-weighted), rows
@@ -210,7 +196,7 @@ def test_decode_mode_choice_and_errors():
     with pytest.raises(ValueError, match="choose one of"):
         Scheduler(qwen, **args, decode="fast")
     unfused = build_model(
-        ModelConfig(family="qwen3", vocab_size=96, num_hidden_layers=2, **SHAPES["qwen3"]),
+        tiny_config("qwen3"),
         seed=14,
         device="cpu",
         dtype="float32",

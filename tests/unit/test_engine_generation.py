@@ -18,43 +18,13 @@ from tidal.model_config import ModelConfig
 from tidal.rollout.embedded.model import build_model
 from tidal.rollout.embedded.sampling import SamplingParams
 from tidal.rollout.embedded.scheduler import Request, Scheduler
+from tidal.rollout.embedded.testing import PROMPTS, TINY_SHAPES, tiny_config
 
-FAMILIES = {
-    "qwen3": dict(
-        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96
-    ),
-    "qwen3_moe": dict(
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-    ),
-    # MLA caches one latent "head"; HF's DeepseekV3 needs kv heads == heads and head_dim == rope dim
-    "deepseek_v3": dict(
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=8,
-        intermediate_size=96,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        kv_lora_rank=16,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
-    ),
-}
-PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18], [3, 1, 4, 1, 5, 9, 2]]
+FAMILIES = list(TINY_SHAPES)
 
 
 def model_config(family: str) -> ModelConfig:
-    return ModelConfig(family=family, vocab_size=96, num_hidden_layers=2, **FAMILIES[family])
+    return tiny_config(family)
 
 
 def reference(lm) -> torch.nn.Module:
@@ -101,7 +71,7 @@ def check_against_reference(ref, prompt: list[int], req: Request, max_new: int) 
     assert torch.allclose(torch.tensor(req.output_logprobs), teacher.squeeze(1), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_matches_transformers_with_requests_joining_a_running_batch(family):
     lm = build_model(model_config(family), seed=1, device="cpu", dtype="float32")
     ref = reference(lm)

@@ -1,0 +1,37 @@
+"""Tiny engine models shared by the engine's tests (CPU and GPU): shapes per family, and prompts."""
+
+from __future__ import annotations
+
+from tidal.model_config import ModelConfig
+
+_GQA = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+TINY_SHAPES: dict[str, dict] = {
+    "qwen3": dict(**_GQA, intermediate_size=96),
+    "qwen3_moe": dict(**_GQA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    # MLA caches one latent "head"; HF's DeepseekV3 needs kv heads == heads and head_dim == rope dim
+    "deepseek_v3": dict(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=8,
+        intermediate_size=96,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+    ),
+}
+
+# different lengths, so that batched rows are padded and finish apart
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18], [3, 1, 4, 1, 5, 9, 2]]
+
+
+def tiny_config(family: str, **overrides) -> ModelConfig:
+    """A two-layer, 96-token-vocabulary model of ``family`` (fields of ``overrides`` replace the shape's)."""
+    return ModelConfig(family=family, vocab_size=96, num_hidden_layers=2, **(TINY_SHAPES[family] | overrides))
