@@ -6,7 +6,8 @@
 - The embedded engine in this process: releasing its weights, KV cache and CUDA graphs drops
   ``torch.cuda.memory_allocated`` by at least their bytes (and ``memory_reserved`` after ``empty_cache``);
   after waking, its greedy output equals the output before sleeping, with CUDA graphs recaptured.
-- ``/update_weights_from_tensor`` refuses a broken payload, and a GPU it cannot see, naming the cause.
+- ``/update_weights_from_tensor`` takes what SGLang's own client sends (bitwise), and refuses a broken payload, and a
+  GPU it cannot see, naming the cause.
 """
 
 from __future__ import annotations
@@ -147,3 +148,85 @@ def test_update_from_tensor_refusals_name_the_cause(colocated_engine):
     assert ipc_receive._device_index(str(torch.cuda.get_device_properties(0).uuid)) == 0
     with pytest.raises(ipc_receive.IpcPayloadError, match="cannot see"):
         ipc_receive._device_index("GPU-00000000-0000-0000-0000-000000000000")
+
+
+def test_payload_of_sglangs_client_loads_bitwise(colocated_engine):
+    """What SGLang's own client sends: its FlattenedTensorBucket, tensors pickled with SGLang's patched
+    reduction (the device named by GPU UUID, rebuilt by sglang.srt.utils.patch_torch)."""
+    import base64
+    import importlib.util
+    import io
+    import sys
+    import types
+    from multiprocessing.reduction import ForkingPickler
+    from pathlib import Path
+
+    import httpx
+    import torch
+    from torch.multiprocessing import reductions
+
+    sglang_dir = Path(importlib.util.find_spec("sglang").origin).parent
+    names = ["sglang", "sglang.srt", "sglang.srt.utils", "sglang.srt.weight_sync"]
+    added = [n for n in names if n not in sys.modules]
+    for n in added:
+        sys.modules[n] = types.ModuleType(n)
+    bucket_name, patch_name = "sglang.srt.weight_sync.tensor_bucket", "sglang.srt.utils.patch_torch"
+    spec = importlib.util.spec_from_file_location(
+        bucket_name, sglang_dir / "srt" / "weight_sync" / "tensor_bucket.py"
+    )
+    tensor_bucket = importlib.util.module_from_spec(spec)
+    sys.modules[bucket_name] = tensor_bucket
+    patch = types.ModuleType(patch_name)  # only its name travels: the engine maps it onto its own rebuild
+
+    def _rebuild_cuda_tensor_modified(*args):
+        raise AssertionError("never called in the sender")
+
+    _rebuild_cuda_tensor_modified.__module__ = patch_name
+    _rebuild_cuda_tensor_modified.__qualname__ = "_rebuild_cuda_tensor_modified"
+    patch._rebuild_cuda_tensor_modified = _rebuild_cuda_tensor_modified
+    sys.modules[patch_name] = patch
+    added += [bucket_name, patch_name]
+    uuid = str(torch.cuda.get_device_properties(0).uuid)
+
+    def reduce_like_sglang(t):
+        fn, args = reductions.reduce_tensor(t)
+        assert fn is reductions.rebuild_cuda_tensor
+        return _rebuild_cuda_tensor_modified, (*args[:6], uuid, *args[7:])
+
+    class SGLangPickler(ForkingPickler):
+        _extra_reducers = {**ForkingPickler._extra_reducers, torch.Tensor: reduce_like_sglang}
+
+    try:
+        spec.loader.exec_module(tensor_bucket)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        named = [
+            ("model.norm.weight", torch.randn(256, device="cuda", generator=gen).to(torch.bfloat16)),
+            (
+                "model.layers.1.mlp.down_proj.weight",
+                torch.randn(256, 512, device="cuda", generator=gen).to(torch.bfloat16),
+            ),
+        ]
+        sg = tensor_bucket.FlattenedTensorBucket(named_tensors=named)
+        out = io.BytesIO()
+        SGLangPickler(out).dump(
+            {"flattened_tensor": sg.get_flattened_tensor(), "metadata": sg.get_metadata()}
+        )
+        torch.cuda.synchronize()
+        body = {
+            "serialized_named_tensors": [base64.b64encode(out.getvalue()).decode()],
+            "load_format": "flattened_bucket",
+            "flush_cache": True,
+            "weight_version": "sglang-client",
+        }
+        resp = httpx.post(f"{colocated_engine.url}/update_weights_from_tensor", json=body, timeout=60)
+        assert resp.status_code == 200 and resp.json()["success"], resp.text
+        for name, t in named:
+            held = httpx.post(
+                f"{colocated_engine.url}/get_weights_by_name",
+                json={"name": name, "truncate_size": t.shape[0]},
+                timeout=60,
+            ).json()
+            assert torch.equal(torch.tensor(held, dtype=torch.float32), t.float().cpu()), name
+    finally:
+        for n in added:
+            sys.modules.pop(n, None)
