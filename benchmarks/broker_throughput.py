@@ -130,20 +130,33 @@ def _group(group_id: str, arrays: dict[str, np.ndarray], group_size: int) -> Gro
 
 
 def _broker_producer(
-    address: str, tokens: int, groups: int, group_size: int, per_lease: int, in_flight: int, go, cpu
+    address: str,
+    tokens: int,
+    groups: int,
+    group_size: int,
+    per_lease: int,
+    in_flight: int,
+    wait_acks: bool,
+    go,
+    cpu,
 ) -> None:
     arrays = sample_arrays(tokens)
 
     async def loop(client: AsyncBrokerClient, share: int) -> None:
+        acks = []
         while share > 0:
             lease = await client.lease(min(per_lease, share))
             if lease is None:
                 await asyncio.sleep(0.001)
                 continue
-            await client.submit(
-                lease.lease_id, [_group(pg.group_id, arrays, group_size) for pg in lease.groups]
-            )
+            groups = [_group(pg.group_id, arrays, group_size) for pg in lease.groups]
+            if wait_acks:
+                await client.submit(lease.lease_id, groups)
+            else:  # stream: the next lease while the broker journals these (the client's window bounds it)
+                acks.append(await client.submit_streamed(lease.lease_id, groups))
             share -= len(lease.groups)
+        for ack in acks:
+            await ack
 
     async def main() -> None:
         client = AsyncBrokerClient(address, timeout_s=120)
@@ -168,6 +181,7 @@ def run_broker(
     workdir: Path,
     extra: dict[str, Any] | None = None,
     batch_groups: int = BrokerConfig().batch_groups,
+    wait_acks: bool = False,
 ) -> tuple[float, int, dict[str, float]]:
     groups_total = n // group_size
     per_producer = groups_total // PRODUCERS
@@ -188,7 +202,7 @@ def run_broker(
         procs = [
             mp.Process(
                 target=_broker_producer,
-                args=(address, tokens, per_producer, group_size, per_lease, in_flight, go, cpu),
+                args=(address, tokens, per_producer, group_size, per_lease, in_flight, wait_acks, go, cpu),
             )
             for _ in range(PRODUCERS)
         ]
@@ -204,6 +218,7 @@ def run_broker(
             trainer.register("trainer", "bench")
             time.sleep(0.5)
             broker0 = _cpu_seconds(proc.pid)
+            threads0 = _thread_cpu_seconds(proc.pid)
             go.set()
             t0, c0 = time.perf_counter(), time.process_time()
             groups_left = per_producer * PRODUCERS
@@ -218,12 +233,34 @@ def run_broker(
                 trainer.report_consumed(batch.batch_id)
             elapsed, consumer = time.perf_counter() - t0, time.process_time() - c0
             broker = _cpu_seconds(proc.pid) - broker0
+            threads = _thread_cpu_seconds(proc.pid)
+            # ZeroMQ's I/O thread (receiving and sending group frames) apart from the Python threads
+            # (event loop, journal writer): where the broker's time goes.
+            per = {
+                k: round((v - threads0.get(k, 0.0)) / max(received, 1) * 1e6, 1)
+                for k, v in threads.items()
+                if v - threads0.get(k, 0.0) > 0
+            }
+            print(f"    broker threads, CPU us/sample: {per}", file=sys.stderr)
         producers = sum(cpu.get() for _ in procs)
         for p in procs:
             p.join()
         return elapsed, received, {"producers": producers, "broker": broker, "consumer": consumer}
     finally:
         stop(proc)
+
+
+def _thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds of each thread of a running process, by thread name (Linux)."""
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -321,6 +358,12 @@ def main(argv: list[str] | None = None) -> int:
         default=BrokerConfig().batch_groups,
         help="groups per batch the consumer fetches (default: the broker's default batch_groups)",
     )
+    ap.add_argument(
+        "--wait-acks",
+        action="store_true",
+        help="broker producers wait for each submit's acknowledgement (as before protocol v3) "
+        "instead of streaming within the client's window",
+    )
     ap.add_argument("--ray-batch", type=int, default=64, help="samples per put/get call for ray_queue")
     ap.add_argument("--no-ray", action="store_true", help="skip the Ray baselines")
     ap.add_argument(
@@ -364,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
                         workdir,
                         extra,
                         args.batch_groups,
+                        args.wait_acks,
                     )
                 elif method == "ray_deque":
                     elapsed, got = run_ray_deque(tokens, n), n // PRODUCERS * PRODUCERS

@@ -53,6 +53,41 @@ class _BufferPool:
                 held += len(base)
 
 
+# Group frames a client may have sent and not yet seen acknowledged (the producer's window).
+MAX_UNACKED_BYTES = 128 << 20
+
+
+class _Unacked:
+    """Submits sent and not yet acknowledged: request id -> (node id it was sent as, group ids). An ``ack``
+    acknowledges every submit of that node up to its ``through`` id; submits sent under an earlier
+    registration (a broker that restarted) are never acknowledged by the new one and time out."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[int, tuple[str | None, list[str]]] = {}
+
+    def add(self, rid: int, node_id: str | None, group_ids: list[str]) -> None:
+        self.by_id[rid] = (node_id, group_ids)
+
+    def forget(self, rid: int) -> None:
+        self.by_id.pop(rid, None)
+
+    def acked(self, body: dict[str, Any]) -> list[tuple[int, dict[str, list[str]]]]:
+        through, node_id = body.get("through"), body.get("node_id")
+        if not isinstance(through, int):
+            return []
+        filtered = {r: ids for r, ids in body.get("filtered") or ()}
+        done = []
+        for rid, (node, ids) in list(self.by_id.items()):
+            if rid > through:
+                break  # ids only grow
+            if node != node_id:
+                continue
+            del self.by_id[rid]
+            dropped = filtered.get(rid, [])
+            done.append((rid, {"accepted": [g for g in ids if g not in dropped], "filtered": dropped}))
+        return done
+
+
 class LeaseRejected(Exception):
     """Submit on an expired or unknown lease: the prompts were re-leased; drop these groups."""
 
@@ -116,9 +151,19 @@ def _timeout_msg(what: str, address: str, timeout: float) -> str:
 
 
 class AsyncBrokerClient:
-    """asyncio client; one reader task matches replies to requests, so calls may run concurrently."""
+    """asyncio client; one reader task matches replies to requests, so calls may run concurrently.
 
-    def __init__(self, address: str, *, curve: CurveClientKeys | None = None, timeout_s: float = 30.0):
+    Submits stream: :meth:`submit_streamed` returns once the groups are sent, and at most
+    ``max_unacked_bytes`` of group frames wait for the broker's (cumulative) acknowledgement at a time."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        curve: CurveClientKeys | None = None,
+        timeout_s: float = 30.0,
+        max_unacked_bytes: int = MAX_UNACKED_BYTES,
+    ):
         self.address = address
         self.timeout_s = timeout_s
         self.node_id: str | None = None
@@ -131,6 +176,10 @@ class AsyncBrokerClient:
         self._register_lock = asyncio.Lock()
         self._buffers = _BufferPool()
         self._generation = 0  # registrations so far: a call knows whether one happened since it was sent
+        self._submits = _Unacked()
+        self.max_unacked_bytes = max_unacked_bytes
+        self._unacked_bytes = 0
+        self._window = asyncio.Condition()
 
     async def _read_loop(self) -> None:
         while True:
@@ -139,6 +188,13 @@ class AsyncBrokerClient:
                 rid, type_, body = proto.decode_reply(frames[0].buffer)
             except Exception:
                 continue
+            if type_ == "ack":
+                for rid, result in self._submits.acked(body):
+                    fut = self._pending.pop(rid, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(("ok", result, []))
+                continue
+            self._submits.forget(rid)
             fut = self._pending.pop(rid, None)
             if fut is not None and not fut.done():
                 fut.set_result((type_, body, frames[1:]))
@@ -150,15 +206,21 @@ class AsyncBrokerClient:
         try:
             return await self._call_once(type_, body, frames, timeout)
         except BrokerError as exc:
-            if exc.code != proto.NOT_REGISTERED or self._registration is None or type_ == "register":
+            if not self._should_reregister(exc, type_):
                 raise
-        # The broker restarted (membership is not journaled): register again and retry once. Single-flight:
-        # a second registration would make the broker drop the first one and take back the leases just
-        # granted under it, so concurrent calls wait for one registration and the later ones reuse it.
+        await self._reregister(generation)
+        return await self._call_once(type_, body, frames, timeout)
+
+    def _should_reregister(self, exc: BrokerError, type_: str) -> bool:
+        return exc.code == proto.NOT_REGISTERED and self._registration is not None and type_ != "register"
+
+    async def _reregister(self, generation: int) -> None:
+        # The broker restarted (membership is not journaled): register again. Single-flight: a second
+        # registration would make the broker drop the first one and take back the leases just granted
+        # under it, so concurrent calls wait for one registration and the later ones reuse it.
         async with self._register_lock:
             if self._generation == generation:
                 await self._register_once()
-        return await self._call_once(type_, body, frames, timeout)
 
     async def _register_once(self) -> None:
         self.node_id = (await self._call_once("register", self._registration))[0]["node_id"]
@@ -167,24 +229,44 @@ class AsyncBrokerClient:
     async def _call_once(
         self, type_: str, body: dict[str, Any], frames=(), timeout: float | None = None
     ) -> tuple[dict[str, Any], list[Any]]:
+        timeout = self.timeout_s if timeout is None else timeout
+        rid, fut = await self._send(type_, body, frames, timeout)
+        return await self._reply(type_, rid, fut, timeout)
+
+    async def _send(
+        self, type_: str, body: dict[str, Any], frames, timeout: float, group_ids: list[str] | None = None
+    ) -> tuple[int, asyncio.Future]:
+        """Send a request; returns its id and the future its reply (or ack) will complete."""
         if self._reader is None:
             self._reader = asyncio.create_task(self._read_loop())
         rid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
-        timeout = self.timeout_s if timeout is None else timeout
+        if group_ids is not None:
+            self._submits.add(rid, self.node_id, group_ids)
         try:
-            # The send is inside the timeout too: with no connected peer (broker down, CURVE refused) a
-            # DEALER send waits.
+            # With no connected peer (broker down, CURVE refused) a DEALER send waits: bound it too.
             async with asyncio.timeout(timeout):
                 await self._sock.send_multipart(
                     [proto.encode_envelope(type_, rid, body), *frames], copy=False
                 )
+        except TimeoutError:
+            self._pending.pop(rid, None)
+            self._submits.forget(rid)
+            raise BrokerTimeout(_timeout_msg(type_, self.address, timeout)) from None
+        return rid, fut
+
+    async def _reply(
+        self, type_: str, rid: int, fut: asyncio.Future, timeout: float
+    ) -> tuple[dict[str, Any], list[Any]]:
+        try:
+            async with asyncio.timeout(timeout):
                 rtype, rbody, rframes = await fut
         except TimeoutError:
             raise BrokerTimeout(_timeout_msg(type_, self.address, timeout)) from None
         finally:
             self._pending.pop(rid, None)
+            self._submits.forget(rid)
         _raise_for(rtype, rbody, type_)
         return rbody, rframes
 
@@ -201,15 +283,57 @@ class AsyncBrokerClient:
         return _lease((await self._call("lease", {"max_groups": max_groups}))[0])
 
     async def submit(self, lease_id: str, groups: list[Group]) -> dict:
-        frames = [encode_group(g, self._buffers.take) for g in groups]
+        """Submit whole groups; returns ``{"accepted": [ids], "filtered": [ids]}`` once they are journaled."""
+        generation = self._generation
         try:
-            body = (await self._call("submit", {"lease_id": lease_id, "groups": len(frames)}, frames))[0]
-        except (BrokerError, LeaseRejected) as exc:
-            if not isinstance(exc, BrokerTimeout):  # without an answer the frames may still be in flight
-                self._buffers.give(frames)
+            return await (await self.submit_streamed(lease_id, groups))
+        except BrokerError as exc:
+            if not self._should_reregister(exc, "submit"):
+                raise
+        await self._reregister(generation)
+        return await (await self.submit_streamed(lease_id, groups))
+
+    async def submit_streamed(self, lease_id: str, groups: list[Group]) -> asyncio.Future:
+        """Send whole groups without waiting for their acknowledgement: returns once they are on their way
+        (waiting first while ``max_unacked_bytes`` are unacknowledged) with a future of what
+        :meth:`submit` returns. The broker acknowledges cumulatively, once the groups are journaled."""
+        frames = [encode_group(g, self._buffers.take) for g in groups]
+        nbytes = sum(len(f) for f in frames)
+        await self._acquire_window(nbytes)
+        body = {"lease_id": lease_id, "groups": len(frames)}
+        try:
+            rid, fut = await self._send("submit", body, frames, self.timeout_s, [g.group_id for g in groups])
+        except BaseException:
+            await self._release_window(nbytes)  # a timed-out send may still go: its frames are not reused
+            raise
+        return asyncio.ensure_future(self._submitted(rid, fut, frames, nbytes))
+
+    async def _submitted(self, rid: int, fut: asyncio.Future, frames: list, nbytes: int) -> dict:
+        try:
+            body = (await self._reply("submit", rid, fut, self.timeout_s))[0]
+        except BrokerTimeout:  # without an answer the frames may still be in flight: not reused
+            await self._release_window(nbytes)
+            raise
+        except (BrokerError, LeaseRejected):
+            self._buffers.give(frames)
+            await self._release_window(nbytes)
             raise
         self._buffers.give(frames)
+        await self._release_window(nbytes)
         return body
+
+    async def _acquire_window(self, nbytes: int) -> None:
+        async with self._window:
+            # One submit larger than the window goes alone.
+            await self._window.wait_for(
+                lambda: self._unacked_bytes == 0 or self._unacked_bytes + nbytes <= self.max_unacked_bytes
+            )
+            self._unacked_bytes += nbytes
+
+    async def _release_window(self, nbytes: int) -> None:
+        async with self._window:
+            self._unacked_bytes -= nbytes
+            self._window.notify_all()
 
     async def release(self, lease_id: str, group_ids: list[str] | None = None) -> None:
         await self._call("release", {"lease_id": lease_id, "group_ids": group_ids})
@@ -279,22 +403,31 @@ class BrokerClient:
         self._buffers = _BufferPool()
 
     def _call(
-        self, type_: str, body: dict[str, Any], frames=(), timeout: float | None = -1.0
+        self, type_: str, body: dict[str, Any], frames=(), timeout: float | None = -1.0, group_ids=None
     ) -> tuple[dict[str, Any], list[Any]]:
         try:
-            return self._call_once(type_, body, frames, timeout)
+            return self._call_once(type_, body, frames, timeout, group_ids)
         except BrokerError as exc:
             if exc.code != proto.NOT_REGISTERED or self._registration is None or type_ == "register":
                 raise
         # The broker restarted (membership is not journaled): register again and retry once.
         self.node_id = self._call_once("register", self._registration)[0]["node_id"]
-        return self._call_once(type_, body, frames, timeout)
+        return self._call_once(type_, body, frames, timeout, group_ids)
 
     def _call_once(
-        self, type_: str, body: dict[str, Any], frames=(), timeout: float | None = -1.0
+        self,
+        type_: str,
+        body: dict[str, Any],
+        frames=(),
+        timeout: float | None = -1.0,
+        group_ids: list[str] | None = None,
     ) -> tuple[dict[str, Any], list[Any]]:
+        """One request and its reply; a submit (``group_ids`` given) is answered by an ``ack`` instead."""
         timeout = self.timeout_s if timeout == -1.0 else timeout
         rid = next(self._ids)
+        unacked = _Unacked()
+        if group_ids is not None:
+            unacked.add(rid, self.node_id, group_ids)
         # With no connected peer (broker down, CURVE refused) a DEALER send waits: bound it too.
         self._sock.sndtimeo = -1 if timeout is None else max(1, int(timeout * 1000))
         try:
@@ -311,7 +444,11 @@ class BrokerClient:
                 got, rtype, rbody = proto.decode_reply(reply[0].buffer)
             except Exception:
                 continue
-            if got == rid:
+            if rtype == "ack":
+                done = unacked.acked(rbody)
+                if done:
+                    return done[0][1], []
+            elif got == rid:
                 _raise_for(rtype, rbody, type_)
                 return rbody, reply[1:]
 
@@ -330,7 +467,12 @@ class BrokerClient:
     def submit(self, lease_id: str, groups: list[Group]) -> dict:
         frames = [encode_group(g, self._buffers.take) for g in groups]
         try:
-            body = self._call("submit", {"lease_id": lease_id, "groups": len(frames)}, frames)[0]
+            body = self._call(
+                "submit",
+                {"lease_id": lease_id, "groups": len(frames)},
+                frames,
+                group_ids=[g.group_id for g in groups],
+            )[0]
         except (BrokerError, LeaseRejected) as exc:
             if not isinstance(exc, BrokerTimeout):  # without an answer the frames may still be in flight
                 self._buffers.give(frames)

@@ -3,8 +3,10 @@
 A message is a ZeroMQ multipart message ``[envelope, attachment...]``. The envelope is a msgpack map
 ``{"v": PROTOCOL_VERSION, "type": str, "id": int, "body": map}``; attachments are group frames
 (see :mod:`tidal.broker.codec`) whose count the body states. A reply carries the request's ``id`` and the
-type ``"ok"`` (body: the answer) or ``"error"`` (body: ``{"code", "message"}``). docs/protocol.md is the
-reference; this module is its executable form.
+type ``"ok"`` (body: the answer) or ``"error"`` (body: ``{"code", "message"}``), except that accepted
+submits get no reply of their own: the broker sends ``"ack"`` messages (body ``{"through", "filtered"}``)
+that acknowledge every submit of the connection up to the request id ``through`` once it is journaled.
+docs/protocol.md is the reference; this module is its executable form.
 """
 
 from __future__ import annotations
@@ -14,7 +16,12 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
+# What changed at each version, for the error an older (or newer) peer gets.
+VERSION_CHANGES = {
+    2: "group frames carry per-sample columns in the data region",
+    3: "submits are acknowledged by cumulative 'ack' messages, not one reply each",
+}
 
 # Request types and the body fields each one requires, with their types (for validation).
 REQUESTS: dict[str, dict[str, type | tuple[type, ...]]] = {
@@ -101,7 +108,10 @@ def decode_request(frames: list[Any], max_frame_bytes: int) -> Request:
     v = env.get("v")
     if v != PROTOCOL_VERSION:
         raise ProtocolError(
-            BAD_VERSION, f"protocol version {v!r} not supported; this broker speaks v={PROTOCOL_VERSION}"
+            BAD_VERSION,
+            f"protocol version {v!r} not supported; this broker speaks v={PROTOCOL_VERSION} "
+            f"(v{PROTOCOL_VERSION}: {VERSION_CHANGES[PROTOCOL_VERSION]}): use a client of the same tidal "
+            "version as the broker",
         )
     rid, type_, body = env.get("id"), env.get("type"), env.get("body", {})
     if not _is_int(rid) or rid < 0:

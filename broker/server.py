@@ -18,7 +18,7 @@ import logging
 import math
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -54,6 +54,14 @@ class _Waiter:
     deadline: float
 
 
+@dataclass
+class _Ack:
+    """What one connection's submits of one wake-up were: the last request id, and the filtered groups."""
+
+    through: int = 0
+    filtered: list[list[Any]] = field(default_factory=list)  # [request id, [group ids]]
+
+
 class BrokerServer:
     def __init__(self, config: BrokerConfig, state: BrokerState):
         self.cfg = config
@@ -65,6 +73,7 @@ class BrokerServer:
         self.snapshot: dict[str, Any] = {}  # stats refreshed every tick, read by the Prometheus thread
         self._waiters: list[_Waiter] = []
         self._held: deque[tuple[int, list[Any]]] = deque()  # replies waiting for the journal
+        self._acks: dict[tuple[bytes, str], _Ack] = {}  # submits handled in this wake-up, by connection
         self._ctx = zmq.asyncio.Context(io_threads=config.io_threads)  # for the ZAP and monitor sockets
         self._auth = None
         self.sock = zmq.Context.shadow(self._ctx).socket(zmq.ROUTER)
@@ -128,6 +137,7 @@ class BrokerServer:
                 self._handle(frames[0].bytes, frames[1:])
             self._kick()  # more may be waiting: come back after the loop's other callbacks
         finally:
+            self._queue_acks()
             self._commit()
 
     def _commit(self) -> None:
@@ -270,8 +280,25 @@ class BrokerServer:
         now = time.time()
         node = self.state.node_for(peer, now)
         result = self.state.submit(node, req.body["lease_id"], req.attachments, now)
-        self._ok(peer, req.id, result, durable=True)
+        # No reply of its own: one cumulative ack per connection covers every submit handled in this
+        # wake-up, sent once their records are written (see _queue_acks).
+        key = (peer, node.node_id)
+        ack = self._acks.get(key)
+        if ack is None:
+            ack = self._acks[key] = _Ack()
+        ack.through = req.id
+        if result["filtered"]:
+            ack.filtered.append([req.id, result["filtered"]])
         self._serve_waiters(now)
+
+    def _queue_acks(self) -> None:
+        """Send (or hold until journaled) one ``ack`` per connection whose submits were just handled."""
+        if not self._acks:
+            return
+        acks, self._acks = self._acks, {}
+        for (peer, node_id), ack in acks.items():
+            body = {"node_id": node_id, "through": ack.through, "filtered": ack.filtered}
+            self._send(peer, ack.through, "ack", body, durable=True)
 
     def _on_release(self, peer: bytes, req: proto.Request) -> None:
         ids = req.body.get("group_ids")

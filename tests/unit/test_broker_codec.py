@@ -141,6 +141,11 @@ def test_valid_request_decodes():
             f"v={proto.PROTOCOL_VERSION}",
         ),
         (
+            [msgpack.packb({"v": 2, "type": "stats", "id": 1, "body": {}})],
+            proto.BAD_VERSION,
+            "cumulative 'ack' messages",
+        ),
+        (
             [msgpack.packb({"v": proto.PROTOCOL_VERSION, "type": "nope", "id": 1, "body": {}})],
             proto.UNKNOWN_TYPE,
             "unknown message type",

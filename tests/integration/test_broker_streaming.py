@@ -1,0 +1,109 @@
+"""Protocol v3's streamed submits against a real broker on loopback: cumulative acknowledgements, sent
+only once journaled, and the client's window of unacknowledged bytes."""
+
+import asyncio
+
+import msgpack
+import pytest
+import zmq
+
+from tidal.broker import protocol as proto
+from tidal.broker.client import AsyncBrokerClient, BrokerClient
+from tidal.broker.codec import encode_group, lease_from_wire
+from tidal.broker.testing import fake_group, start_broker
+from tidal.procs import stop
+
+
+@pytest.fixture
+def broker(tmp_path):
+    proc, address = start_broker(tmp_path, 64, group_size=2, batch_groups=4, max_staleness=100)
+    yield address
+    stop(proc)
+
+
+def _recv(sock: zmq.Socket) -> tuple[int, str, dict]:
+    assert sock.poll(10_000), "no reply from the broker"
+    return proto.decode_reply(sock.recv_multipart()[0])
+
+
+def test_submits_sent_back_to_back_are_acknowledged_cumulatively_and_errors_stay_their_own(broker):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(broker)
+    try:
+        sock.send_multipart([proto.encode_envelope("register", 1, {"role": "rollout", "name": "raw"})])
+        node_id = _recv(sock)[2]["node_id"]
+        sock.send_multipart([proto.encode_envelope("lease", 2, {"max_groups": 6})])
+        lease = lease_from_wire(_recv(sock)[2]["lease"])
+        frames = [bytes(encode_group(fake_group(pg))) for pg in lease.groups]
+        # Six submits in one burst, one of them on an unknown lease: nothing waits for a reply.
+        rids = list(range(10, 17))
+        for i, rid in enumerate(rids):
+            lease_id = "no-such-lease" if i == 3 else lease.lease_id
+            frame = frames[i if i < 3 else i - 1]
+            body = {"lease_id": lease_id, "groups": 1}
+            sock.send_multipart([proto.encode_envelope("submit", rid, body), frame])
+        acked, errors, messages = 0, [], 0
+        while acked < rids[-1]:
+            rid, type_, body = _recv(sock)
+            messages += 1
+            if type_ == "error":
+                errors.append((rid, body["code"]))
+                continue
+            assert type_ == "ack" and body["node_id"] == node_id
+            assert body["through"] > acked  # cumulative: each ack covers more
+            acked = body["through"]
+        assert errors == [(13, proto.LEASE_REJECTED)]
+        assert messages <= len(rids)
+        # Every acknowledged group is journaled and buffered: the stats count them, once.
+        sock.send_multipart([proto.encode_envelope("stats", 99)])
+        stats = _recv(sock)[2]
+        assert stats["counters"]["accepted_groups"] == 6
+        assert stats["counters"]["rejected_submissions"] == 1
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def test_streamed_submits_resolve_with_their_groups_and_respect_the_window(broker):
+    async def scenario() -> None:
+        async with AsyncBrokerClient(broker, timeout_s=20) as client:
+            await client.register("rollout", "streamer")
+            lease = await client.lease(8)
+            groups = [fake_group(pg, response_len=256) for pg in lease.groups]
+            one = len(encode_group(groups[0]))
+            # Room for one group frame only: a second submit waits until the first is acknowledged.
+            client.max_unacked_bytes = one
+            acks = []
+            for g in groups:
+                acks.append(await client.submit_streamed(lease.lease_id, [g]))
+                assert client._unacked_bytes <= one
+                assert all(a.done() for a in acks[:-1])
+            results = await asyncio.gather(*acks)
+            assert [r["accepted"] for r in results] == [[g.group_id] for g in groups]
+            assert all(r["filtered"] == [] for r in results)
+            assert client._unacked_bytes == 0
+            assert (await client.stats())["counters"]["accepted_groups"] == len(groups)
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_the_blocking_client_reads_acks_and_reports_filtered_groups(tmp_path):
+    proc, address = start_broker(tmp_path, 16, group_size=2, batch_groups=2, dynamic_sampling=True)
+    try:
+        with BrokerClient(address, timeout_s=20) as client:
+            client.register("rollout", "blocking")
+            lease = client.lease(2)
+            same, mixed = lease.groups
+            out = client.submit(
+                lease.lease_id, [fake_group(same, rewards=[1.0, 1.0]), fake_group(mixed, rewards=[0.0, 1.0])]
+            )
+            assert out == {"accepted": [mixed.group_id], "filtered": [same.group_id]}
+            # A client of the previous protocol is told what changed.
+            client._sock.send_multipart([msgpack.packb({"v": 2, "type": "stats", "id": 5, "body": {}})])
+            rid, type_, body = _recv(client._sock)
+            assert (rid, type_, body["code"]) == (5, "error", proto.BAD_VERSION)
+            assert "v=3" in body["message"] and "ack" in body["message"]
+    finally:
+        stop(proc)
