@@ -156,6 +156,8 @@ def cp_varlen_layout(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int):
 
 
 class PackedCoreAttention(MegatronModule):
+    default_kernel = "auto"  # see :func:`core_attention_with_kernel`
+
     def __init__(
         self,
         config: TransformerConfig,
@@ -166,10 +168,11 @@ class PackedCoreAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection=None,
-        kernel: str = "auto",
+        kernel: str | None = None,
         **unused,
     ):
         super().__init__(config=config)
+        kernel = kernel or self.default_kernel
         if kernel not in ATTENTION_KERNELS:
             raise ValueError(
                 f"trainer.kernels.attention={kernel!r}; choose one of {', '.join(ATTENTION_KERNELS)}"
@@ -356,3 +359,22 @@ class PackedCoreAttention(MegatronModule):
             scale=self._scale(query.shape[-1]),
         )
         return out.transpose(0, 1).reshape(query.shape[0], -1)
+
+
+_WITH_KERNEL: dict[str, type] = {}
+
+
+def core_attention_with_kernel(kernel: str) -> type:
+    """:class:`PackedCoreAttention` whose kernel defaults to ``kernel`` (a class, as layer specs need: MLA
+    builds its core attention through megatron's ``build_module``, which takes classes and ModuleSpecs)."""
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(
+            f"trainer.kernels.attention={kernel!r}; choose one of {', '.join(ATTENTION_KERNELS)}"
+        )
+    if kernel == PackedCoreAttention.default_kernel:
+        return PackedCoreAttention
+    if kernel not in _WITH_KERNEL:
+        _WITH_KERNEL[kernel] = type(
+            f"PackedCoreAttention_{kernel}", (PackedCoreAttention,), {"default_kernel": kernel}
+        )
+    return _WITH_KERNEL[kernel]

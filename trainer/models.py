@@ -14,6 +14,7 @@ megatron's partition_dim (contiguous), except gated MLP ``linear_fc1`` whose sha
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import re
 import zlib
@@ -232,14 +233,21 @@ class LatentRMSNorm(torch.nn.RMSNorm):
             self.weight.average_gradients_across_tp_domain = True
 
 
-def _local_layer_spec(spec):
-    """A copy of a local layer spec with tidal's core attention and sequence-parallel-aware norms."""
+def _local_layer_spec(spec, kernels=None):
+    """A copy of a local layer spec with tidal's core attention, experts and sequence-parallel-aware norms.
+
+    ``kernels`` (:class:`~tidal.trainer.config.KernelConfig`, default ``auto`` everywhere) picks the core
+    attention's kernel and the MoE experts module (docs/trainer.md, "Kernels").
+    """
     from megatron.core.transformer.identity_op import IdentityOp
 
-    from tidal.trainer.attention import PackedCoreAttention
+    from tidal.trainer.attention import core_attention_with_kernel
+    from tidal.trainer.config import KernelConfig
 
+    kernels = kernels or KernelConfig()
     spec = copy.deepcopy(spec)
-    spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
+    spec.submodules.self_attention.submodules.core_attention = core_attention_with_kernel(kernels.attention)
+    _use_grouped_experts(spec, kernels.experts)
     for name in ("input_layernorm", "pre_mlp_layernorm"):
         if getattr(spec.submodules, name) is not IdentityOp:
             setattr(spec.submodules, name, RMSNorm)
@@ -251,7 +259,24 @@ def _local_layer_spec(spec):
     return spec
 
 
-def layer_spec(tconfig, use_te: bool, vp_stage: int | None = None):
+def _use_grouped_experts(spec, kernel: str) -> None:
+    """Swap megatron's SequentialMLP experts for :class:`GroupedExperts` (same parameters) in a layer spec."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from tidal.trainer.experts import GroupedExperts
+
+    submodules = getattr(spec.submodules.mlp, "keywords", {}).get("submodules")  # partial(MoELayer, ...)
+    experts = getattr(submodules, "experts", None)
+    if (
+        kernel == "sequential"
+        or not isinstance(experts, functools.partial)
+        or experts.func is not SequentialMLP
+    ):
+        return
+    submodules.experts = functools.partial(GroupedExperts, *experts.args, **experts.keywords, kernel=kernel)
+
+
+def layer_spec(tconfig, use_te: bool, vp_stage: int | None = None, kernels=None):
     """The decoder block spec of this rank's pipeline stage."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
@@ -264,7 +289,7 @@ def layer_spec(tconfig, use_te: bool, vp_stage: int | None = None):
         tconfig, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage
     )
     if not use_te:
-        block.layer_specs = [_local_layer_spec(s) for s in block.layer_specs]
+        block.layer_specs = [_local_layer_spec(s, kernels) for s in block.layer_specs]
         block.layer_norm = RMSNorm
     return block
 
@@ -274,8 +299,12 @@ def build_model(
     tconfig,
     seed: int = 0,
     use_te: bool | None = None,
+    kernels=None,
 ) -> list[torch.nn.Module]:
     """This rank's model chunks (one per virtual pipeline stage), initialised from ``seed``.
+
+    ``kernels``: :class:`~tidal.trainer.config.KernelConfig` (default: ``auto`` for every hot spot); kept
+    on each chunk as ``tidal_kernels`` for the train step.
 
     Needs megatron's parallel state (:func:`tidal.trainer.parallel.init_parallel`).
     """
@@ -294,7 +323,7 @@ def build_model(
         vp_stage = stage if vpp > 1 else None
         gpt = GPTModel(
             config=tconfig,
-            transformer_layer_spec=layer_spec(tconfig, use_te, vp_stage),
+            transformer_layer_spec=layer_spec(tconfig, use_te, vp_stage, kernels),
             vocab_size=model.vocab_size,
             max_sequence_length=model.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -306,6 +335,7 @@ def build_model(
             vp_stage=vp_stage,
         )
         gpt.to(_device())
+        gpt.tidal_kernels = kernels
         chunks.append(gpt)
     init_weights(chunks, tconfig, seed)
     families.init_extra(chunks, tconfig, seed)

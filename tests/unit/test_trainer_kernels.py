@@ -1,0 +1,274 @@
+"""The trainer's fast paths against their references on CPU: fused logprobs, varlen attention bookkeeping
+(context parallel included), grouped experts.
+
+The CUDA kernels themselves (torch's varlen flash attention, ``torch._grouped_mm`` on sm90) cannot run here:
+where a test needs one, its CPU stand-in is named (``varlen_reference`` for the flash kernel; torch's own CPU
+``_grouped_mm``); tests/gpu/test_gpu_trainer_kernels.py compares the real kernels in bf16 on the GPU.
+Model-level checks run in a child process: megatron's parallel state is process-wide.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from tidal.trainer import attention as attention_module
+from tidal.trainer.attention import (
+    PackedCoreAttention,
+    cp_token_positions,
+    cp_varlen_layout,
+    varlen_reference,
+)
+from tidal.trainer.experts import grouped_linear
+from tidal.trainer.fused_logprobs import vocab_parallel_logprobs
+
+
+def _plain_logprobs(logits, labels, temperature):
+    z = logits.float() / temperature
+    logp = torch.log_softmax(z, dim=-1)
+    return logp.gather(-1, labels[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_logprobs_and_entropy_match_log_softmax_values_and_gradients(dtype, temperature):
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(10, 37, generator=gen) * 3).to(dtype).requires_grad_()
+    labels = torch.randint(0, 37, (10,), generator=gen)
+    w_lp, w_h = torch.randn(10, generator=gen), torch.randn(10, generator=gen)
+
+    lp, ent = vocab_parallel_logprobs(
+        logits, labels, with_entropy=True, temperature=temperature, chunk_tokens=3
+    )
+    grad = torch.autograd.grad((lp * w_lp + ent * w_h).sum(), logits)[0]
+    ref_lp, ref_ent = _plain_logprobs(logits, labels, temperature)
+    ref_grad = torch.autograd.grad((ref_lp * w_lp + ref_ent * w_h).sum(), logits)[0]
+
+    assert lp.dtype == ent.dtype == torch.float32 and grad.dtype == dtype
+    # fp32 arithmetic on the same inputs in a different order: rounding-level differences only
+    torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent, ref_ent, rtol=0, atol=1e-5)
+    # the gradient is rounded once to the logits' dtype (bf16: 2**-8 relative)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(grad.float(), ref_grad.float(), rtol=tol, atol=tol)
+
+
+def test_fused_logprobs_without_entropy_and_bad_input():
+    logits = torch.randn(4, 9, requires_grad=True)
+    labels = torch.tensor([0, 8, 3, 3])
+    lp, ent = vocab_parallel_logprobs(logits, labels)
+    assert ent is None
+    (grad,) = torch.autograd.grad(lp.sum(), logits)
+    ref_lp, _ = _plain_logprobs(logits, labels, 1.0)
+    (ref_grad,) = torch.autograd.grad(ref_lp.sum(), logits)
+    torch.testing.assert_close(grad, ref_grad, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="logits must be"):
+        vocab_parallel_logprobs(logits[0], labels)
+    with pytest.raises(ValueError, match="temperature"):
+        vocab_parallel_logprobs(logits, labels, temperature=0.0)
+
+
+def _qkv(lengths, heads=4, groups=2, dim=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    t = sum(lengths)
+    return (
+        torch.randn(t, heads, dim, generator=gen).requires_grad_(),
+        torch.randn(t, groups, dim, generator=gen).requires_grad_(),
+        torch.randn(t, groups, dim, generator=gen).requires_grad_(),
+    )
+
+
+def _config() -> TransformerConfig:
+    return TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2)
+
+
+def test_flash_path_bookkeeping_equals_the_per_sequence_reference():
+    """cp=1: the flash path (kernel replaced by its SDPA reference) against the length-bucketed SDPA path."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    attn = PackedCoreAttention(_config(), 1, AttnMaskType.causal, "self").eval()
+    attn.varlen_kernel = varlen_reference
+    lengths = [3, 5, 3, 1, 6]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    q, k, v = _qkv(lengths)
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=6, max_seqlen_kv=6
+    )
+    got = attn._forward_flash_thd(q, k, v, params)
+    expected = attn._per_sequence(q, k, v, cu.long())
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, rtol=0, atol=1e-5)
+
+
+def test_varlen_reference_aligns_the_causal_diagonal_bottom_right():
+    q, k, v = _qkv([2, 5])
+    cu_q, cu_k = torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32)
+    out = varlen_reference(q[:2], k[:5], v[:5], cu_q, cu_k, 2, 5, 0.5)
+    # the last query sees every key: plain (maskless) attention for that row
+    kk, vv = k[:5].repeat_interleave(2, 1), v[:5].repeat_interleave(2, 1)
+    last = torch.nn.functional.scaled_dot_product_attention(
+        q[1:2].transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1), scale=0.5
+    ).transpose(0, 1)
+    torch.testing.assert_close(out[1:2], last, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("cp_size", [2, 3])
+def test_context_parallel_flash_path_equals_full_causal_attention(monkeypatch, cp_size):
+    """Each CP rank's flash path (kernel: its SDPA reference; the all-gather: its result) against causal
+    attention over the whole packed batch, read at that rank's positions; gradients included."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    lengths = [4 * cp_size, 2 * cp_size, 6 * cp_size]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    q, k, v = _qkv(lengths, seed=1)
+    attn = PackedCoreAttention(_config(), 1, AttnMaskType.causal, "self").eval()
+    attn.varlen_kernel = varlen_reference
+    expected = attn._per_sequence(q, k, v, cu.long())
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu)
+    rank_positions = [cp_token_positions(cu.long(), cp_size, r) for r in range(cp_size)]
+
+    gathered = {}  # id of a rank's local K or V -> what the all-gather returns: all ranks' rows, rank order
+    monkeypatch.setattr(attention_module._GatherSeq, "apply", lambda local, group: gathered[id(local)])
+    for rank in range(cp_size):
+        monkeypatch.setattr(attention_module.dist, "get_world_size", lambda group=None: cp_size)
+        monkeypatch.setattr(attention_module.dist, "get_rank", lambda group=None, r=rank: r)
+        attn.cp_group = object()
+        pos = rank_positions[rank]
+        local_k, local_v = k[pos], v[pos]
+        gathered[id(local_k)] = torch.cat([k[p] for p in rank_positions])
+        gathered[id(local_v)] = torch.cat([v[p] for p in rank_positions])
+        got = attn._forward_flash_thd(q[pos], local_k, local_v, params)
+        torch.testing.assert_close(got, expected[pos], rtol=0, atol=1e-6)
+        weights = torch.randn(got.shape, generator=torch.Generator().manual_seed(rank))
+        grads = torch.autograd.grad((got * weights).sum(), (q, k, v))
+        ref_grads = torch.autograd.grad((expected[pos] * weights).sum(), (q, k, v), retain_graph=True)
+        for g, r in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(g, r, rtol=0, atol=1e-5)
+
+
+def test_cp_varlen_layout_gives_each_chunk_its_sequence_prefix():
+    cu = torch.tensor([0, 8, 12], dtype=torch.long)  # cp=2: chunks of 2 and 1 tokens
+    cu_q, keys, cu_k, max_q, max_k = cp_varlen_layout(cu, 2, 1)
+    assert cu_q.tolist() == [0, 2, 4, 5, 6]
+    assert cu_k.tolist() == [0, 4, 10, 12, 15]
+    assert keys.tolist() == [0, 1, 2, 3] + list(range(6)) + [8, 9] + [8, 9, 10]
+    assert (max_q, max_k) == (2, 6)
+    with pytest.raises(ValueError, match="multiple of 2\\*cp"):
+        cp_varlen_layout(torch.tensor([0, 6]), 2, 0)
+
+
+def test_flash_varlen_forced_off_cuda_says_why():
+    attn = PackedCoreAttention(_config(), 1, AttnMaskType.causal, "self", kernel="flash_varlen")
+    q, k, v = _qkv([4])
+    with pytest.raises(ValueError, match="flash_varlen cannot run here: tensors are on cpu"):
+        attn._use_flash(q, k, v)
+    assert not PackedCoreAttention(_config(), 1, AttnMaskType.causal, "self")._use_flash(q, k, v)
+    with pytest.raises(ValueError, match="trainer.kernels.attention='fast'"):
+        PackedCoreAttention(_config(), 1, AttnMaskType.causal, "self", kernel="fast")
+
+
+def test_torch_grouped_mm_call_equals_the_expert_loop():
+    """The kernel path's call convention (weights [G, out, in] transposed, int32 group ends, empty groups)
+    checked with torch's CPU implementation of ``_grouped_mm`` against the loop."""
+    gen = torch.Generator().manual_seed(0)
+    counts = [3, 0, 5, 8]
+    x = torch.randn(sum(counts), 16, generator=gen, requires_grad=True)
+    w = torch.randn(4, 24, 16, generator=gen, requires_grad=True)
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    got = grouped_linear(x, w, offsets, None, use_kernel=True)
+    expected = grouped_linear(x, w, None, counts, use_kernel=False)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    weights = torch.randn(got.shape, generator=gen)
+    grads = torch.autograd.grad((got * weights).sum(), (x, w))
+    ref = torch.autograd.grad((expected * weights).sum(), (x, w))
+    for g, r in zip(grads, ref, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+    assert torch.count_nonzero(grads[1][1]) == 0  # the empty group's weight gets no gradient
+
+
+_CHILD = textwrap.dedent(
+    """
+    import json, torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from tidal.model_config import ModelConfig
+    from tidal.trainer import attention, experts, models, parallel
+    from tidal.trainer.config import KernelConfig
+    from tidal.trainer.mesh import MeshConfig
+
+    model = ModelConfig(family="qwen3_moe", vocab_size=64, hidden_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    mesh = MeshConfig()
+    parallel.init_parallel(mesh, model, seed=0)
+    tconfig = models.transformer_config(model, mesh)
+    lengths = [5, 9, 2, 16]
+    ids = torch.randint(0, 64, (1, sum(lengths)), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=16, max_seqlen_kv=16)
+
+    def run(kernels, force=None):
+        net = models.build_model(model, tconfig, seed=3, kernels=kernels)[0]
+        for module in net.modules():
+            if force == "flash" and isinstance(module, attention.PackedCoreAttention):
+                module.varlen_kernel = attention.varlen_reference  # CPU stand-in for the CUDA kernel
+                module._use_flash = lambda *a: True
+        logits = net(ids, pos, None, packed_seq_params=params)
+        weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1))
+        (logits * weights).sum().backward()
+        grads = {n: p.grad.clone() for n, p in net.named_parameters()}
+        kinds = sorted({type(m).__name__ for m in net.modules() if "MLP" in type(m).__name__ or "Experts" in type(m).__name__})
+        return logits.detach(), grads, kinds
+
+    def rel(a, b):
+        return ((a - b).abs().max() / a.abs().max().clamp(min=1e-30)).item()
+
+    def diff(a, b):  # the largest difference relative to the tensor's own scale, logits and every gradient
+        la, ga, _ = a
+        lb, gb, _ = b
+        assert ga.keys() == gb.keys()
+        return max([rel(la, lb)] + [rel(ga[n], gb[n]) for n in ga])
+
+    sequential = run(KernelConfig(experts="sequential", attention="sdpa"))
+    loop = run(KernelConfig(experts="loop", attention="sdpa"))
+    experts.grouped_mm_unsupported = lambda *a: None  # torch's CPU _grouped_mm stands in for the CUDA kernel
+    grouped = run(KernelConfig(experts="auto", attention="sdpa"))
+    flash = run(KernelConfig(experts="sequential", attention="auto"), force="flash")
+    print(json.dumps(dict(
+        kinds={"sequential": sequential[2], "loop": loop[2]},
+        names_equal=sorted(sequential[1]) == sorted(loop[1]),
+        loop=diff(sequential, loop), grouped=diff(sequential, grouped), flash=diff(sequential, flash),
+    )))
+    parallel.shutdown()
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def model_level() -> dict:
+    proc = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_grouped_experts_keep_sequential_mlp_parameters_and_results(model_level):
+    assert "GroupedExperts" in model_level["kinds"]["loop"], model_level["kinds"]
+    assert "SequentialMLP" in model_level["kinds"]["sequential"], model_level["kinds"]
+    assert model_level["names_equal"]
+    # fp32, the same matmuls per expert: equal up to summation order in the backward
+    assert model_level["loop"] <= 1e-5, model_level
+    assert model_level["grouped"] <= 1e-5, model_level
+
+
+def test_model_with_flash_path_equals_model_with_sdpa_path(model_level):
+    assert model_level["flash"] <= 1e-5, model_level
