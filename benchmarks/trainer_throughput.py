@@ -10,6 +10,11 @@ model FLOPs utilisation: 6 * active parameters * tokens + causal attention, over
     python benchmarks/trainer_throughput.py --out runs/bench/trainer_cpu.json
     python benchmarks/trainer_throughput.py --device cuda --size dense-1b --out trainer_h200_dense.json
     python benchmarks/trainer_throughput.py --device cuda --size moe-small --out trainer_h200_moe.json
+    python benchmarks/trainer_throughput.py --device cuda --size dense-1b --batch 2 --seq-len 4096 \
+        --profile runs/bench/profile      # + the top-30 kernels of each implementation (text and JSON)
+
+``--attention``, ``--experts`` and ``--logprobs`` set ``trainer.kernels`` (docs/trainer.md, "Kernels") to
+compare each fast path with its reference; ``--impls tidal`` skips the baseline.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from pathlib import Path
 import torch
 
 from tidal.model_config import ModelConfig
+from tidal.trainer.attention import ATTENTION_KERNELS
+from tidal.trainer.experts import EXPERT_KERNELS
 
 SIZES = {
     "tiny": dict(  # configs/tiny.yaml's model
@@ -64,11 +71,11 @@ SIZES = {
         intermediate_size=6144,
         max_position_embeddings=8192,
     ),
-    "moe-small": dict(  # a Qwen3-MoE of ~2.4B total / ~0.6B active parameters
+    "moe-small": dict(  # issue 8's small MoE: 8 layers, 32 experts top-4 (~1.9B total / ~0.6B active)
         family="qwen3_moe",
         vocab_size=151936,
         hidden_size=1024,
-        num_hidden_layers=12,
+        num_hidden_layers=8,
         num_attention_heads=16,
         num_key_value_heads=4,
         head_dim=64,
@@ -81,6 +88,7 @@ SIZES = {
 }
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+IMPL_KEYS = {"tidal (megatron-core)": "tidal", "transformers + AdamW": "transformers"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -92,7 +100,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8, help="timed steps")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", type=Path, default=None)
-    return p.parse_args(argv)
+    p.add_argument(
+        "--impls",
+        default="tidal,transformers",
+        help="comma-separated: which implementations to run (tidal, transformers)",
+    )
+    p.add_argument("--attention", choices=ATTENTION_KERNELS, default="auto", help="trainer.kernels.attention")
+    p.add_argument("--experts", choices=EXPERT_KERNELS, default="auto", help="trainer.kernels.experts")
+    p.add_argument(
+        "--logprobs", choices=("auto", "fused", "reference"), default="auto", help="trainer.kernels.logprobs"
+    )
+    p.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="after timing, profile --profile-steps steps of each implementation (torch.profiler) and write "
+        "the top-30 kernels by device time to DIR/<implementation>.txt and .json",
+    )
+    p.add_argument("--profile-steps", type=int, default=2)
+    args = p.parse_args(argv)
+    args.impls = [x.strip() for x in args.impls.split(",") if x.strip()]
+    unknown = set(args.impls) - set(IMPL_KEYS.values())
+    if unknown or not args.impls:
+        p.error(f"--impls {','.join(args.impls)}: choose from {', '.join(IMPL_KEYS.values())}")
+    return args
 
 
 def active_params(m: ModelConfig) -> tuple[int, int]:
@@ -139,7 +171,8 @@ def time_steps(run_step, device: str, warmup: int, steps: int) -> list[float]:
     return times
 
 
-def bench_tidal(m: ModelConfig, args, tokens: torch.Tensor) -> list[float]:
+def setup_tidal(m: ModelConfig, args, tokens: torch.Tensor):
+    """(one training step, teardown) of tidal's trainer on the whole batch packed into one micro-batch."""
     from tidal.broker.types import Sample
     from tidal.trainer import models, parallel
     from tidal.trainer.config import LossConfig, OptimizerConfig
@@ -153,7 +186,7 @@ def bench_tidal(m: ModelConfig, args, tokens: torch.Tensor) -> list[float]:
     parallel.init_parallel(mesh, m, seed=0)
     bf16 = args.device == "cuda"
     tconfig = models.transformer_config(m, mesh, bf16=bf16)
-    chunks = models.build_model(m, tconfig, seed=0)
+    chunks = models.build_model(m, tconfig, seed=0, kernels=kernel_config(args))
     state = build_train_state(chunks, tconfig, OptimizerConfig(lr=1e-5, clip_grad=1.0), total_steps=1000)
     import numpy as np
 
@@ -173,21 +206,18 @@ def bench_tidal(m: ModelConfig, args, tokens: torch.Tensor) -> list[float]:
     plan = plan_minibatch(items, dp_size=1, max_tokens=args.batch * args.seq_len)
     micro_batches = plan.micro_batches(0)
     loss_fn = make_loss("sft", LossConfig(), plan.normalizer)
-    times = time_steps(
-        lambda: train_step(state, micro_batches, loss_fn), args.device, args.warmup, args.steps
-    )
-    parallel.shutdown()
-    return times
+    return (lambda: train_step(state, micro_batches, loss_fn)), parallel.shutdown
 
 
-def bench_transformers(m: ModelConfig, args, tokens: torch.Tensor) -> list[float]:
+def setup_transformers(m: ModelConfig, args, tokens: torch.Tensor):
+    """(one training step, teardown) of a plain transformers model with torch's fused AdamW."""
     from transformers import AutoModelForCausalLM
 
     hf_config = m.to_hf_config()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).to(args.device)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=args.device == "cuda")
     ids = tokens.to(args.device)
 
     def run_step() -> None:
@@ -197,7 +227,117 @@ def bench_transformers(m: ModelConfig, args, tokens: torch.Tensor) -> list[float
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
 
-    return time_steps(run_step, args.device, args.warmup, args.steps)
+    return run_step, lambda: None
+
+
+def kernel_config(args):
+    from tidal.trainer.config import KernelConfig
+
+    return KernelConfig(attention=args.attention, experts=args.experts, logprobs=args.logprobs)
+
+
+# kernel name patterns -> a coarse category, for the profile summary (first match wins)
+_CATEGORIES = (
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("grouped gemm", ("grouped", "group_gemm", "groupgemm")),
+    ("gemm", ("gemm", "sm90_xmma", "cutlass", "cublas", "matmul", "nvjet", "aten::mm", "addmm", "bmm")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("communication", ("nccl",)),
+    ("copy / cast", ("copy", "memcpy", "memset", "cast", "fill")),
+    ("reduction", ("reduce", "softmax", "norm", "sum", "max")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "pointwise", "triton")),
+)
+
+
+def _category(name: str) -> str:
+    low = name.lower()
+    return next((cat for cat, keys in _CATEGORIES if any(k in low for k in keys)), "other")
+
+
+def profile_steps(label: str, run_step, args) -> dict:
+    """Profile ``args.profile_steps`` steps; write the top-30 kernels (device time) to ``args.profile``."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = args.device == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync(args.device)
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(args.profile_steps):
+            run_step()
+        sync(args.device)
+    wall = (time.perf_counter() - t0) / args.profile_steps
+    events = prof.key_averages()
+    if cuda:
+        kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+        own = [(e, e.self_device_time_total) for e in kernels]
+    else:  # CPU: operators by self CPU time (nested operators would count twice in totals)
+        own = [(e, e.self_cpu_time_total) for e in events]
+    own = [(e, t) for e, t in own if t > 0]
+    total_us = sum(t for _, t in own)
+    per_step = args.profile_steps
+    rows = [
+        {
+            "name": e.key,
+            "category": _category(e.key),
+            "calls_per_step": e.count / per_step,
+            "ms_per_step": t / 1e3 / per_step,
+            "share": t / total_us if total_us else 0.0,
+        }
+        for e, t in sorted(own, key=lambda x: x[1], reverse=True)
+    ]
+    categories: dict[str, float] = {}
+    for row in rows:
+        categories[row["category"]] = categories.get(row["category"], 0.0) + row["ms_per_step"]
+    slug = "".join(c if c.isalnum() else "_" for c in label).strip("_")
+    args.profile.mkdir(parents=True, exist_ok=True)
+    summary = {
+        "implementation": label,
+        "timed": "device (CUDA kernels, self time)" if cuda else "CPU operators (self time)",
+        "steps": per_step,
+        "wall_ms_per_step": wall * 1e3,
+        "kernel_ms_per_step": total_us / 1e3 / per_step,
+        "categories_ms_per_step": dict(sorted(categories.items(), key=lambda kv: -kv[1])),
+        "top30": rows[:30],
+    }
+    (args.profile / f"{slug}.json").write_text(json.dumps(summary, indent=1))
+    lines = [
+        f"{label}: {summary['timed']}, {per_step} steps; wall {wall * 1e3:.1f} ms/step, "
+        f"kernels {summary['kernel_ms_per_step']:.1f} ms/step",
+        "",
+        "by category (ms/step): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in summary["categories_ms_per_step"].items()),
+        "",
+        f"{'ms/step':>9} {'share':>6} {'calls':>7}  {'category':<14} kernel",
+    ]
+    for row in rows[:30]:
+        lines.append(
+            f"{row['ms_per_step']:>9.2f} {100 * row['share']:>5.1f}% {row['calls_per_step']:>7.0f}  "
+            f"{row['category']:<14} {row['name'][:160]}"
+        )
+    (args.profile / f"{slug}.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[:3]))
+    return summary
+
+
+def matmul_tflops(device: str) -> float | None:
+    """Measured bf16 GEMM rate (8192^3, median of 10) on CUDA: the practical ceiling beside the datasheet."""
+    if device != "cuda":
+        return None
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(10):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        a @ b
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    del a, b
+    return 2 * 8192**3 / statistics.median(times) / 1e12
 
 
 def main(argv=None) -> int:
@@ -210,25 +350,50 @@ def main(argv=None) -> int:
     tokens = synthetic_tokens(m, args.batch, args.seq_len)
     n_tokens = args.batch * args.seq_len
     results = {}
+    setups = {"tidal (megatron-core)": setup_tidal, "transformers + AdamW": setup_transformers}
     # tidal first: megatron's parallel state must be torn down before the baseline allocates
-    for name, fn in (("tidal (megatron-core)", bench_tidal), ("transformers + AdamW", bench_transformers)):
-        times = fn(m, args, tokens)
+    for name in [n for n in setups if IMPL_KEYS[n] in args.impls]:
+        run_step, teardown = setups[name](m, tokens=tokens, args=args)
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        times = time_steps(run_step, args.device, args.warmup, args.steps)
         med = statistics.median(times)
         results[name] = {"median_s": med, "tokens_per_s": n_tokens / med, "times_s": times}
-    base = results["transformers + AdamW"]["tokens_per_s"]
+        if args.device == "cuda":
+            results[name]["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        if args.profile is not None:
+            results[name]["profile"] = profile_steps(name, run_step, args)
+        del run_step
+        teardown()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    measured = matmul_tflops(args.device)
+    base_row = results.get("transformers + AdamW")
+    base = base_row["tokens_per_s"] if base_row else None
     peak = None
     if args.device == "cuda":
         gpu = torch.cuda.get_device_name()
         peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in gpu), None)
     flops = step_flops(m, args.batch, args.seq_len)
     print(f"{args.size} ({m.family}), {args.batch} x {args.seq_len} tokens per step, device {args.device}")
-    print(f"{'implementation':<24} {'median s/step':>14} {'tokens/s':>12} {'vs baseline':>12} {'MFU':>7}")
+    print(f"kernels: {kernel_config(args).model_dump()}")
+    if measured:
+        print(f"measured bf16 GEMM rate: {measured:.0f} TFLOP/s (datasheet peak {peak})")
+    print(
+        f"{'implementation':<24} {'median s/step':>14} {'tokens/s':>12} {'vs baseline':>12} {'MFU':>7} "
+        f"{'of GEMM rate':>12} {'peak GiB':>9}"
+    )
     for name, r in results.items():
-        r["ratio_vs_baseline"] = r["tokens_per_s"] / base
+        r["ratio_vs_baseline"] = r["tokens_per_s"] / base if base else None
         r["mfu"] = flops / r["median_s"] / (peak * 1e12) if peak else None
+        r["fraction_of_measured_gemm"] = flops / r["median_s"] / (measured * 1e12) if measured else None
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        ratio = f"{r['ratio_vs_baseline']:.2f}x" if r["ratio_vs_baseline"] is not None else "-"
+        of_gemm = f"{100 * r['fraction_of_measured_gemm']:.1f}%" if measured else "-"
+        mem = f"{r['peak_gib']:.1f}" if "peak_gib" in r else "-"
         print(
-            f"{name:<24} {r['median_s']:>14.4f} {r['tokens_per_s']:>12.0f} {r['ratio_vs_baseline']:>11.2f}x {mfu:>7}"
+            f"{name:<24} {r['median_s']:>14.4f} {r['tokens_per_s']:>12.0f} {ratio:>12} {mfu:>7} "
+            f"{of_gemm:>12} {mem:>9}"
         )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -242,6 +407,8 @@ def main(argv=None) -> int:
                     "total_params": total,
                     "step_flops": flops,
                     "peak_bf16_tflops": peak,
+                    "measured_gemm_tflops": measured,
+                    "kernels": kernel_config(args).model_dump(),
                     "host": platform.node(),
                     "cpus": os.cpu_count(),
                     "device_name": torch.cuda.get_device_name()

@@ -73,7 +73,7 @@ class TrainerRank:
             moe_dispatcher=tc.moe_dispatcher,
             expert_bias_update_rate=tc.expert_bias_update_rate,
         )
-        chunks = models.build_model(self.model_config, self.tconfig, seed=tc.seed)
+        chunks = models.build_model(self.model_config, self.tconfig, seed=tc.seed, kernels=tc.kernels)
         if init_hf is not None and load_init:
             reference.load_hf(chunks, self.model_config, init_hf)
         self.reference: list[torch.nn.Module] | None = None
