@@ -202,6 +202,8 @@ class ModelConfig(BaseModel):
             fields["num_experts"] = hf.get("n_routed_experts", 0)
         if family in MLA_FAMILIES:
             fields.setdefault("head_dim", hf.get("qk_nope_head_dim", 0) + hf.get("qk_rope_head_dim", 0))
+        if family == "glm_moe_dsa":  # transformers writes the rotary width as head_dim
+            fields["head_dim"] = hf.get("qk_nope_head_dim", 0) + hf.get("qk_rope_head_dim", 0)
         if family == "qwen3_5_moe":
             fields["num_experts"] = hf.get("num_experts", 0)
             fields["num_nextn_predict_layers"] = hf.get("mtp_num_hidden_layers", 0)

@@ -1,6 +1,6 @@
-"""Qwen3.5's weight mapping on CPU: Hugging Face checkpoint <-> megatron-core names and layouts, bitwise.
+"""Qwen3.5's two fused layouts in the weight mapping, checked row by row on labelled tensors.
 
-No kernel runs here; the megatron-core model built from these tensors is compared with transformers in
+The whole checkpoint's round trip (bitwise) and the logits of the megatron-core model built from it are in
 tests/unit/test_families_cpu_models.py (CPU) and tests/gpu/test_gpu_qwen3_5.py (flash-linear-attention).
 """
 
@@ -11,10 +11,8 @@ import torch
 import yaml
 
 from tidal.model_config import ModelConfig
-from tidal.weights_sync import hf_io
 from tidal.weights_sync.families import mapping_for
 from tidal.weights_sync.mapping_qwen3_5 import fuse_gated_qkv, unfuse_gated_qkv
-from tidal.weights_sync.tiny_models import save_random_hf
 
 TINY = "configs/tiny/qwen3_5_35b_a3b.yaml"
 
@@ -24,43 +22,23 @@ def tiny_model() -> ModelConfig:
         return ModelConfig(**yaml.safe_load(f)["model"])
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    directory = save_random_hf(tiny_model(), tmp_path_factory.mktemp("qwen3_5"), seed=0)
-    return hf_io.load_config(directory), hf_io.load_tensors(directory)
-
-
-def test_config_survives_the_hf_directory(checkpoint):
-    model, _ = checkpoint
-    # transformers writes the layer pattern as layer_types; the interval must come back from it
-    assert model == tiny_model().model_copy(update={"path": model.path})
-
-
-def test_checkpoint_round_trips_bitwise_through_megatron_names(checkpoint):
-    model, hf = checkpoint
+def test_gdn_in_proj_stacks_qkv_z_beta_alpha_and_back():
+    model = tiny_model()
     mapping = mapping_for(model)
-    megatron = dict(mapping.to_megatron(hf))
-    back = {}
-    for name, tensor in megatron.items():
-        back.update(mapping.to_hf(name, tensor))
-    assert sorted(back) == sorted(hf)
-    for name, tensor in hf.items():
-        assert torch.equal(back[name], tensor), name
-    # the layers' kinds: three Gated DeltaNet layers, then one gated attention layer
-    assert "decoder.layers.0.self_attention.in_proj.weight" in megatron
-    assert "decoder.layers.3.self_attention.linear_qkv.weight" in megatron
-    assert "decoder.layers.3.self_attention.in_proj.weight" not in megatron
-    assert megatron["decoder.layers.0.mlp.shared_experts.gate_weight"].shape == (1, model.hidden_size)
-
-
-def test_gdn_in_proj_stacks_qkv_z_beta_alpha(checkpoint):
-    model, hf = checkpoint
-    fused = dict(mapping_for(model).to_megatron(hf))["decoder.layers.1.self_attention.in_proj.weight"]
-    parts = [hf[f"model.layers.1.linear_attn.in_proj_{p}.weight"] for p in ("qkv", "z", "b", "a")]
-    assert torch.equal(fused, torch.cat(parts))
     qk = model.linear_num_key_heads * model.linear_key_head_dim
     v = model.linear_num_value_heads * model.linear_value_head_dim
-    assert fused.shape[0] == 2 * qk + 2 * v + 2 * model.linear_num_value_heads
+    rows = {"qkv": 2 * qk + v, "z": v, "b": model.linear_num_value_heads, "a": model.linear_num_value_heads}
+    hf = {
+        f"model.layers.1.linear_attn.in_proj_{part}.weight": torch.full((n, model.hidden_size), float(i))
+        for i, (part, n) in enumerate(rows.items())
+    }
+    (name, fused), *_ = mapping.to_megatron(hf)
+    assert name == "decoder.layers.1.self_attention.in_proj.weight"
+    assert fused[:, 0].tolist() == [float(i) for i, n in enumerate(rows.values()) for _ in range(n)]
+    back = dict(mapping.to_hf(name, fused))
+    assert all(torch.equal(back[n], t) for n, t in hf.items())
+    with pytest.raises(ValueError, match="Gated DeltaNet's q/k/v, z, beta, alpha sizes"):
+        list(mapping.to_megatron({**hf, "model.layers.1.linear_attn.in_proj_z.weight": torch.zeros(3, 64)}))
 
 
 def test_gated_qkv_rows_are_grouped_query_gate_key_value():
