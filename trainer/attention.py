@@ -246,6 +246,8 @@ class PackedCoreAttention(MegatronModule):
         scale = self._scale(query.shape[-1])
         if head_v != query.shape[-1]:  # MLA: values are narrower than queries; flash wants one head size
             value = torch.nn.functional.pad(value, (0, query.shape[-1] - head_v))
+        # the kernel takes any token/head strides but a contiguous head dimension
+        query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         cp_size = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
         if cp_size == 1:

@@ -1,0 +1,289 @@
+"""The trainer's CUDA kernels against their reference paths in bf16; print JSON (errors and timings).
+
+    python child_trainer_kernels.py
+
+Errors are measured against an fp32 computation of the same (bf16-rounded) inputs, for the fast path and
+for the reference path run in bf16, so the test can require the fast path to be as accurate as the path
+it replaces. Timings (forward + backward, medians) are reported, never asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import torch
+
+from tidal.model_config import ModelConfig
+from tidal.trainer import models, parallel
+from tidal.trainer.attention import (
+    PackedCoreAttention,
+    cp_token_positions,
+    cp_varlen_layout,
+    flash_varlen,
+    varlen_reference,
+)
+from tidal.trainer.config import KernelConfig
+from tidal.trainer.experts import grouped_linear
+from tidal.trainer.fused_logprobs import vocab_parallel_logprobs
+from tidal.trainer.mesh import MeshConfig
+
+DEV = torch.device("cuda")
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest absolute difference over the reference's largest magnitude."""
+    return ((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-30)).item()
+
+
+def timed(fn, repeats: int = 10) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def qkv(lengths, heads=16, groups=8, dim=128, seed=0):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    t = sum(lengths)
+    return [
+        torch.randn(t, h, dim, generator=gen, device=DEV, dtype=torch.bfloat16)
+        for h in (heads, groups, groups)
+    ]
+
+
+def grads_of(out_fn, inputs, weights):
+    inputs = [x.detach().requires_grad_() for x in inputs]
+    out = out_fn(*inputs)
+    grads = torch.autograd.grad((out.float() * weights).sum(), inputs)
+    return out.detach(), grads
+
+
+def attention_checks() -> dict:
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    lengths = [1, 17, 300, 1024, 7, 2048]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    q, k, v = qkv(lengths)
+    scale = 128**-0.5
+    weights = torch.randn(q.shape[0], 16, 128, device=DEV)
+    attn = PackedCoreAttention(
+        TransformerConfig(num_layers=1, hidden_size=2048, num_attention_heads=16, num_query_groups=8),
+        1,
+        AttnMaskType.causal,
+        "self",
+    ).eval()
+    longest = max(lengths)
+    ref, ref_g = grads_of(
+        lambda a, b, c: varlen_reference(a, b, c, cu, cu, longest, longest, scale),
+        [x.float() for x in (q, k, v)],
+        weights,
+    )
+    fast, fast_g = grads_of(
+        lambda a, b, c: flash_varlen(a, b, c, cu, cu, longest, longest, scale), [q, k, v], weights
+    )
+    sdpa, sdpa_g = grads_of(
+        lambda a, b, c: attn._per_sequence(a, b, c, cu.cpu().long()).view(a.shape), [q, k, v], weights
+    )
+    out = {
+        "flash_err": max([rel_err(fast, ref)] + [rel_err(g, r) for g, r in zip(fast_g, ref_g, strict=True)]),
+        "sdpa_bf16_err": max(
+            [rel_err(sdpa, ref)] + [rel_err(g, r) for g, r in zip(sdpa_g, ref_g, strict=True)]
+        ),
+    }
+
+    # context parallel (cp=2): each rank's chunk problems through the real kernel (bottom-right causal)
+    cp_err = 0.0
+    cu_cpu = cu.cpu().long()
+    even = [2 * 2 * n for n in (3, 50, 256)]  # multiples of 2*cp
+    cu_even = torch.tensor([0, *torch.tensor(even).cumsum(0).tolist()], dtype=torch.int32)
+    q2, k2, v2 = qkv(even, seed=1)
+    full = varlen_reference(*(x.float() for x in (q2, k2, v2)), cu_even.to(DEV), cu_even.to(DEV), 0, 0, scale)
+    for rank in range(2):
+        pos = cp_token_positions(cu_even.long(), 2, rank).to(DEV)
+        cu_q, key_pos, cu_k, max_q, max_k = cp_varlen_layout(cu_even.long(), 2, rank)
+        key_pos = key_pos.to(DEV)
+        got = flash_varlen(q2[pos], k2[key_pos], v2[key_pos], cu_q.to(DEV), cu_k.to(DEV), max_q, max_k, scale)
+        cp_err = max(cp_err, rel_err(got, full[pos]))
+    out["flash_cp_err"] = cp_err
+    del cu_cpu
+
+    # timing at the dense benchmark's shape: 2 x 4096 tokens, 16 query / 8 key heads of 128
+    big = [4096, 4096]
+    cu_big = torch.tensor([0, 4096, 8192], dtype=torch.int32, device=DEV)
+    qb, kb, vb = (x.requires_grad_() for x in qkv(big, seed=2))
+    gb = torch.randn(8192, 16, 128, device=DEV, dtype=torch.bfloat16)
+
+    def step(fn):
+        return lambda: torch.autograd.grad(fn(), (qb, kb, vb), gb)
+
+    out["ms_fwd_bwd_2x4096"] = {
+        "flash_varlen": timed(step(lambda: flash_varlen(qb, kb, vb, cu_big, cu_big, 4096, 4096, scale))),
+        "sdpa_per_length": timed(
+            step(lambda: attn._per_sequence(qb, kb, vb, cu_big.cpu().long()).view(qb.shape))
+        ),
+    }
+    return out
+
+
+def experts_timing() -> dict:
+    """One MoE layer's expert GEMMs at moe-small's shape (8192 tokens x top-4, 32 experts, 1024 -> 768)."""
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    experts, hidden, ffn, rows = 32, 1024, 768, 8192 * 4
+    counts = torch.multinomial(
+        torch.ones(experts, device=DEV), rows, replacement=True, generator=gen
+    ).bincount(minlength=experts)
+    x = torch.randn(rows, hidden, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    w1 = torch.randn(experts, 2 * ffn, hidden, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    offsets = counts.cumsum(0).to(torch.int32)
+    counts_list = counts.tolist()
+    grad = torch.randn(rows, 2 * ffn, device=DEV, dtype=torch.bfloat16)
+
+    def step(use_kernel):
+        return lambda: torch.autograd.grad(
+            grouped_linear(x, w1, offsets, counts_list, use_kernel), (x, w1), grad
+        )
+
+    got = grouped_linear(x, w1, offsets, counts_list, True)
+    ref = grouped_linear(x.float(), w1.float(), offsets, counts_list, False)
+    loop = grouped_linear(x, w1, offsets, counts_list, False)
+    return {
+        "grouped_mm_err": rel_err(got, ref),
+        "loop_bf16_err": rel_err(loop, ref),
+        "ms_fc1_fwd_bwd": {"grouped_mm": timed(step(True)), "loop": timed(step(False))},
+    }
+
+
+SHAPE = dict(
+    vocab_size=1024,
+    hidden_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=512,
+)
+
+
+def build(model: ModelConfig, bf16: bool, kernels: KernelConfig, weights_from=None):
+    tconfig = models.transformer_config(model, MeshConfig(), bf16=bf16)
+    net = models.build_model(model, tconfig, seed=5, kernels=kernels)[0]
+    if weights_from is not None:  # fp32 copy of the bf16 model's (rounded) weights
+        with torch.no_grad():
+            for (name, p), (other, q) in zip(
+                net.named_parameters(), weights_from.named_parameters(), strict=True
+            ):
+                assert name == other, (name, other)
+                p.copy_(q.float())
+    return net
+
+
+def grad_err(got: dict, ref: dict) -> float:
+    return max(rel_err(got[n], ref[n]) for n in ref)
+
+
+def dense_model_checks() -> dict:
+    """qwen3 through megatron-core in bf16: flash attention + fused logprobs vs SDPA + plain logprobs."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    model = ModelConfig(family="qwen3", **SHAPE)
+    parallel.init_parallel(MeshConfig(), model, seed=0)
+    lengths = [37, 256, 5, 700]
+    total = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    ids = torch.randint(0, model.vocab_size, (1, total), device=DEV, generator=gen)
+    labels = torch.randint(0, model.vocab_size, (total,), device=DEV, generator=gen)
+    pos = torch.cat([torch.arange(n, device=DEV) for n in lengths])[None]
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=max(lengths),
+        max_seqlen_kv=max(lengths),
+    )
+
+    def run(net, logprobs: str):
+        logits = net(ids, pos, None, packed_seq_params=params).reshape(total, -1)
+        if logprobs == "fused":
+            lp, ent = vocab_parallel_logprobs(logits, labels, with_entropy=True)
+        else:
+            logp = torch.log_softmax(logits.float(), -1)
+            lp, ent = logp.gather(-1, labels[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+        (lp.sum() + 0.1 * ent.sum()).backward()
+        return lp.detach(), {n: p.grad.detach().float().clone() for n, p in net.named_parameters()}
+
+    reference = KernelConfig(attention="sdpa", logprobs="reference")
+    ref_net = build(model, True, reference)
+    ref_lp, ref_grads = run(ref_net, "reference")
+    fast_lp, fast_grads = run(
+        build(model, True, KernelConfig(attention="flash_varlen", logprobs="fused")), "fused"
+    )
+    exact_lp, exact_grads = run(build(model, False, reference, weights_from=ref_net), "reference")
+    return {
+        "fast_err": max(rel_err(fast_lp, exact_lp), grad_err(fast_grads, exact_grads)),
+        "reference_bf16_err": max(rel_err(ref_lp, exact_lp), grad_err(ref_grads, exact_grads)),
+    }
+
+
+def moe_expert_checks() -> dict:
+    """One layer's experts fed the same permuted tokens (no router: no top-k flips between precisions):
+    GroupedExperts with torch._grouped_mm vs SequentialMLP, both bf16, against SequentialMLP in fp32."""
+    model = ModelConfig(
+        family="qwen3_moe", **SHAPE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128
+    )
+    parallel.init_parallel(MeshConfig(), model, seed=0)
+    sequential = build(model, True, KernelConfig(experts="sequential"))
+    grouped = build(model, True, KernelConfig(experts="grouped_mm"))
+    exact = build(model, False, KernelConfig(experts="sequential"), weights_from=sequential)
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    counts = torch.tensor([40, 0, 7, 300, 1, 64, 0, 100], device=DEV)  # empty experts included
+    x = torch.randn(int(counts.sum()), model.hidden_size, device=DEV, generator=gen)
+    probs = torch.rand(x.shape[0], device=DEV, generator=gen)
+    weights = torch.randn(x.shape, device=DEV, generator=gen)
+
+    def run(net, dtype):
+        experts = net.decoder.layers[0].mlp.experts
+        inp = x.to(dtype).requires_grad_()
+        out, _ = experts(inp, counts, probs)
+        (out.float() * weights).sum().backward()
+        grads = {n: p.grad.float().clone() for n, p in experts.named_parameters()}
+        grads["input"] = inp.grad.float()
+        return type(experts).__name__, out.detach(), grads
+
+    ref_kind, ref_out, ref_grads = run(sequential, torch.bfloat16)
+    fast_kind, fast_out, fast_grads = run(grouped, torch.bfloat16)
+    _, exact_out, exact_grads = run(exact, torch.float32)
+    return {
+        "kinds": {"reference": ref_kind, "fast": fast_kind},
+        "empty_expert_grad_max": max(
+            fast_grads[f"local_experts.{e}.linear_fc{i}.weight"].abs().max().item()
+            for e in (1, 6)
+            for i in (1, 2)
+        ),
+        "fast_err": max(rel_err(fast_out, exact_out), grad_err(fast_grads, exact_grads)),
+        "reference_bf16_err": max(rel_err(ref_out, exact_out), grad_err(ref_grads, exact_grads)),
+    }
+
+
+def main() -> None:
+    results = {
+        "attention": attention_checks(),
+        "experts": experts_timing(),
+        "dense_model": dense_model_checks(),
+        "moe_experts": moe_expert_checks(),
+    }
+    parallel.shutdown()
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""The trainer's CUDA fast paths against their reference paths in bf16 (child: ``child_trainer_kernels.py``).
+
+Each error is the largest absolute difference from an fp32 computation of the same bf16-rounded inputs,
+over the fp32 result's largest magnitude, taken over outputs and every gradient. The fast path must be as
+accurate as the reference path it replaces when that path runs in bf16: within 1.5x its error plus 1e-3
+(bf16 keeps 8 mantissa bits, 2**-8 ~ 4e-3 relative per value; summation order differs between kernels).
+Absolute ceilings back this up: 2e-2 for attention (softmax of bf16 scores) and the expert GEMMs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+NO_WORSE = 1.5
+SLACK = 1e-3
+CEILING = 2e-2
+
+
+@pytest.fixture(scope="module")
+def results(child, tmp_path_factory) -> dict:
+    log = tmp_path_factory.mktemp("trainer_kernels") / "child.log"
+    return child("child_trainer_kernels.py", timeout_s=300, log=log)
+
+
+def test_flash_varlen_attention_is_as_accurate_as_sdpa(results):
+    r = results["attention"]
+    assert r["flash_err"] <= NO_WORSE * r["sdpa_bf16_err"] + SLACK, r
+    assert r["flash_err"] <= CEILING, r
+
+
+def test_flash_varlen_context_parallel_chunks_match_full_causal_attention(results):
+    # the real kernel's bottom-right causal alignment is what makes each CP chunk see its sequence prefix
+    assert results["attention"]["flash_cp_err"] <= CEILING, results["attention"]
+
+
+def test_grouped_mm_expert_gemm_is_as_accurate_as_the_loop(results):
+    r = results["experts"]
+    assert r["grouped_mm_err"] <= NO_WORSE * r["loop_bf16_err"] + SLACK, r
+    assert r["grouped_mm_err"] <= CEILING, r
+
+
+def test_grouped_experts_module_matches_sequential_mlp(results):
+    r = results["moe_experts"]
+    assert r["kinds"] == {"reference": "SequentialMLP", "fast": "GroupedExperts"}, r
+    assert r["fast_err"] <= NO_WORSE * r["reference_bf16_err"] + SLACK, r
+    assert r["empty_expert_grad_max"] == 0.0, r  # experts that got no token get no gradient
+
+
+def test_dense_model_with_fast_kernels_matches_the_reference_kernels(results):
+    r = results["dense_model"]
+    assert r["fast_err"] <= NO_WORSE * r["reference_bf16_err"] + SLACK, r
