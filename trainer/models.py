@@ -28,6 +28,7 @@ from tidal.model_config import ModelConfig
 from tidal.trainer.mesh import MeshConfig
 
 INIT_STD = 0.02
+MLA_LATENT_NORM_EPS = 1e-6
 
 
 def _common_fields(m: ModelConfig) -> dict[str, Any]:
@@ -93,7 +94,7 @@ def _deepseek_v3(m: ModelConfig) -> dict[str, Any]:
         moe_layer_freq=[0] * m.first_k_dense_replace + [1] * (m.num_hidden_layers - m.first_k_dense_replace),
         moe_shared_expert_intermediate_size=(m.n_shared_experts * m.moe_intermediate_size) or None,
         moe_router_score_function="sigmoid",
-        moe_router_topk_scaling_factor=1.0,
+        moe_router_topk_scaling_factor=m.routed_scaling_factor,  # HF: top-k weights * routed_scaling_factor
         # aux-loss-free balancing: routing adds a per-expert bias (HF: e_score_correction_bias), which
         # megatron moves by the update rate after each optimizer step towards equal expert loads
         moe_router_enable_expert_bias=True,
@@ -226,7 +227,8 @@ class LatentRMSNorm(torch.nn.RMSNorm):
     """
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, **unused):
-        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        # transformers' MLA (DeepSeek-V3, Kimi, GLM-5) builds these norms with eps 1e-6, not rms_norm_eps
+        super().__init__(hidden_size, eps=MLA_LATENT_NORM_EPS, dtype=config.params_dtype)
         if config.sequence_parallel:
             self.weight.sequence_parallel = True
         else:

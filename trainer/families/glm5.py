@@ -24,9 +24,7 @@ import torch
 
 from tidal.model_config import ModelConfig
 
-# transformers' GLM-5 (like DeepSeek-V3) normalises the q and kv latents with eps 1e-6, not rms_norm_eps,
-# and the indexer key's LayerNorm with eps 1e-6
-LATENT_NORM_EPS = 1e-6
+# transformers' GLM-5 builds the indexer key's LayerNorm with eps 1e-6, not rms_norm_eps
 INDEXER_K_NORM_EPS = 1e-6
 
 
@@ -86,16 +84,6 @@ class DuplicatedLinear(torch.nn.Module):
         return torch.nn.functional.linear(x, self.weight, self.bias), None
 
 
-def _latent_norm():
-    from tidal.trainer.models import LatentRMSNorm
-
-    class GlmLatentRMSNorm(LatentRMSNorm):
-        def __init__(self, config, hidden_size: int, eps: float = LATENT_NORM_EPS, **unused):
-            super().__init__(config, hidden_size, eps=LATENT_NORM_EPS)
-
-    return GlmLatentRMSNorm
-
-
 def block_spec(tconfig, vp_stage: int | None = None):
     """This pipeline stage's decoder block spec: absorbed MLA + DSA everywhere, dense then MoE MLPs."""
     from megatron.core.models.backends import LocalSpecProvider
@@ -110,7 +98,7 @@ def block_spec(tconfig, vp_stage: int | None = None):
     )
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    from tidal.trainer.models import RMSNorm, _local_layer_spec
+    from tidal.trainer.models import LatentRMSNorm, RMSNorm, _local_layer_spec
 
     class Backend(LocalSpecProvider):
         def linear(self):
@@ -120,7 +108,7 @@ def block_spec(tconfig, vp_stage: int | None = None):
     # the local MLA spec's down projections (column-parallel, gathered before the latent norms)
     attention.submodules.linear_q_down_proj = ColumnParallelLinear
     attention.submodules.linear_kv_down_proj = ColumnParallelLinear
-    attention.submodules.q_layernorm = attention.submodules.kv_layernorm = _latent_norm()
+    attention.submodules.q_layernorm = attention.submodules.kv_layernorm = LatentRMSNorm
     layers = []
     for is_moe in tconfig.moe_layer_freq:
         layer = _local_layer_spec(
