@@ -182,6 +182,7 @@ def run_broker(
     extra: dict[str, Any] | None = None,
     batch_groups: int = BrokerConfig().batch_groups,
     wait_acks: bool = False,
+    journal_reads: bool = True,
 ) -> tuple[float, int, dict[str, float]]:
     groups_total = n // group_size
     per_producer = groups_total // PRODUCERS
@@ -212,7 +213,7 @@ def run_broker(
         # while the current one is consumed and reported on a second connection.
         with (
             BrokerClient(address, timeout_s=120) as trainer,
-            BrokerClient(address, timeout_s=120) as fetcher,
+            BrokerClient(address, timeout_s=120, read_journal=journal_reads) as fetcher,
             ThreadPoolExecutor(max_workers=1) as pool,
         ):
             trainer.register("trainer", "bench")
@@ -364,6 +365,12 @@ def main(argv: list[str] | None = None) -> int:
         help="broker producers wait for each submit's acknowledgement (as before protocol v3) "
         "instead of streaming within the client's window",
     )
+    ap.add_argument(
+        "--no-journal-reads",
+        action="store_true",
+        help="the consumer gets group frames on the wire even on the broker's host (as a trainer on "
+        "another machine does) instead of reading them from the journal",
+    )
     ap.add_argument("--ray-batch", type=int, default=64, help="samples per put/get call for ray_queue")
     ap.add_argument("--no-ray", action="store_true", help="skip the Ray baselines")
     ap.add_argument(
@@ -408,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
                         extra,
                         args.batch_groups,
                         args.wait_acks,
+                        not args.no_journal_reads,
                     )
                 elif method == "ray_deque":
                     elapsed, got = run_ray_deque(tokens, n), n // PRODUCERS * PRODUCERS

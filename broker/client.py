@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import time
 from typing import Any
 
@@ -22,7 +23,10 @@ import zmq.asyncio
 from tidal.broker import protocol as proto
 from tidal.broker.codec import decode_group, encode_group, lease_from_wire
 from tidal.broker.curve import CurveClientKeys
+from tidal.broker.local_journal import JournalReader, JournalUnavailable, host_id
 from tidal.broker.types import Batch, Group, Lease
+
+log = logging.getLogger(__name__)
 
 # Encode buffers kept for reuse per client: freshly allocated memory costs a page fault per 4 KiB, which
 # was the largest part of a rollout node's cost of submitting large groups.
@@ -113,6 +117,37 @@ def _raise_for(type_: str, body: dict[str, Any], what: str) -> None:
     raise BrokerError(f"broker refused {what} ({code}): {message}", code)
 
 
+class _LocalFrames:
+    """Reads batches' group frames from the broker's journal when on its host (see local_journal)."""
+
+    def __init__(self, enabled: bool):
+        self.host = host_id() if enabled else None
+        self.reader = JournalReader() if self.host else None
+        self.batches_read = 0  # batches whose frames came from the journal
+
+    def request_field(self) -> dict[str, Any]:
+        return {"host": self.host} if self.reader is not None else {}
+
+    def frames(self, body: dict[str, Any], frames: list[Any]) -> list[Any] | None:
+        """The reply's group frames; None when they must be asked for again on the wire."""
+        where = (body.get("batch") or {}).get("journal")
+        if where is None:
+            return frames
+        try:
+            frames = self.reader.read(where["path"], where["file_id"], where["refs"])
+            self.batches_read += 1
+            return frames
+        except JournalUnavailable as exc:
+            log.info("reading batches from the broker's journal stopped (%s): frames come on the wire", exc)
+            self.close()
+            return None
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+        self.reader = None
+
+
 def _batch(body: dict[str, Any], frames: list[Any]) -> Batch | None:
     b = body.get("batch")
     if b is None:
@@ -163,6 +198,7 @@ class AsyncBrokerClient:
         curve: CurveClientKeys | None = None,
         timeout_s: float = 30.0,
         max_unacked_bytes: int = MAX_UNACKED_BYTES,
+        read_journal: bool = True,
     ):
         self.address = address
         self.timeout_s = timeout_s
@@ -177,6 +213,7 @@ class AsyncBrokerClient:
         self._buffers = _BufferPool()
         self._generation = 0  # registrations so far: a call knows whether one happened since it was sent
         self._submits = _Unacked()
+        self._local = _LocalFrames(read_journal)
         self.max_unacked_bytes = max_unacked_bytes
         self._unacked_bytes = 0
         self._window = asyncio.Condition()
@@ -350,16 +387,18 @@ class AsyncBrokerClient:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             wait_s = _poll_s(deadline)
+            request = {"after": after, "num_groups": num_groups, "timeout_s": wait_s}
             try:
                 body, frames = await self._call(
-                    "get_batch",
-                    {"after": after, "num_groups": num_groups, "timeout_s": wait_s},
-                    timeout=wait_s + self.timeout_s,
+                    "get_batch", {**request, **self._local.request_field()}, timeout=wait_s + self.timeout_s
                 )
             except BrokerTimeout:
                 if deadline is not None:
                     raise
                 continue  # waiting forever: the broker may be restarting; ask again
+            frames = self._local.frames(body, frames)
+            if frames is None:  # the batch is cut: asked again, it comes at once, on the wire
+                continue
             if body.get("batch") or body.get("finished") or (deadline and time.monotonic() >= deadline):
                 return _batch(body, frames)
 
@@ -379,6 +418,7 @@ class AsyncBrokerClient:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
             self._reader = None
+        self._local.close()
         self._sock.close(0)
         self._ctx.term()
 
@@ -392,10 +432,18 @@ class AsyncBrokerClient:
 class BrokerClient:
     """Blocking client for one thread (the trainer). Replies to calls that timed out are skipped."""
 
-    def __init__(self, address: str, *, curve: CurveClientKeys | None = None, timeout_s: float = 30.0):
+    def __init__(
+        self,
+        address: str,
+        *,
+        curve: CurveClientKeys | None = None,
+        timeout_s: float = 30.0,
+        read_journal: bool = True,
+    ):
         self.address = address
         self.timeout_s = timeout_s
         self.node_id: str | None = None
+        self._local = _LocalFrames(read_journal)
         self._ctx = zmq.Context()
         self._sock = _socket(self._ctx, address, curve)
         self._ids = itertools.count(1)
@@ -499,16 +547,18 @@ class BrokerClient:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             wait_s = _poll_s(deadline)
+            request = {"after": after, "num_groups": num_groups, "timeout_s": wait_s}
             try:
                 body, frames = self._call(
-                    "get_batch",
-                    {"after": after, "num_groups": num_groups, "timeout_s": wait_s},
-                    timeout=wait_s + self.timeout_s,
+                    "get_batch", {**request, **self._local.request_field()}, timeout=wait_s + self.timeout_s
                 )
             except BrokerTimeout:
                 if deadline is not None:
                     raise
                 continue  # waiting forever: the broker may be restarting; ask again
+            frames = self._local.frames(body, frames)
+            if frames is None:  # the batch is cut: asked again, it comes at once, on the wire
+                continue
             if body.get("batch") or body.get("finished") or (deadline and time.monotonic() >= deadline):
                 return _batch(body, frames)
 
@@ -524,6 +574,7 @@ class BrokerClient:
         self.node_id, self._registration = None, None
 
     def close(self) -> None:
+        self._local.close()
         self._sock.close(0)
         self._ctx.term()
 

@@ -48,7 +48,25 @@ class Kind(IntEnum):
 
 # 2: group frames with per-sample columns in the data region (protocol v2). Format 1 had no FORMAT record.
 FORMAT_VERSION = 2
-_FORMAT_PAYLOAD = str(FORMAT_VERSION).encode()
+# The FORMAT payload is "<format> <file id>": the file id (16 hex digits, new for every file a compaction
+# writes) lets a reader on this host that was given offsets check it opened the file they refer to.
+FILE_ID_CHARS = 16
+FORMAT_RECORD_BYTES = _HEADER.size + len(str(FORMAT_VERSION)) + 1 + FILE_ID_CHARS
+
+
+def new_file_id() -> str:
+    return os.urandom(FILE_ID_CHARS // 2).hex()
+
+
+def format_payload(file_id: str) -> bytes:
+    return f"{FORMAT_VERSION} {file_id}".encode()
+
+
+def parse_format(payload: bytes | memoryview) -> tuple[str, str | None]:
+    """(format number, file id or None) of a FORMAT record's payload."""
+    text = bytes(payload).decode(errors="replace")
+    number, _, file_id = text.partition(" ")
+    return number, file_id or None
 
 
 class JournalFormatError(RuntimeError):
@@ -206,6 +224,11 @@ class Journal:
         self._threads: list[threading.Thread] = []
         self.truncated_bytes = 0
         self.compacting = False  # a compaction is staged and not yet in place
+        # Where appended records land, as the appender sees it (records staged for the writer included):
+        # the id of the file they go to, its size once they are written, and the last payload's offset.
+        self.file_id: str | None = None
+        self._tail = 0
+        self.last_offset = 0
 
     @property
     def bytes_written(self) -> int:
@@ -218,6 +241,8 @@ class Journal:
         if self.path.exists():
             data = memoryview(self.path.read_bytes())
             records, good = read_records(data)
+            if records and records[0][0] is Kind.FORMAT:
+                self.file_id = parse_format(records[0][1])[1]
             records = self._check_format(records)
             if good < len(data):
                 if any(data[good:]):  # zero padding after the last record is normal (direct I/O)
@@ -233,7 +258,9 @@ class Journal:
                     os.fsync(f.fileno())
         self._writer = _open_writer(self.path, good, self.direct_io)
         if good == 0:
-            self._writer.write(_record(Kind.FORMAT, _FORMAT_PAYLOAD))
+            self.file_id = new_file_id()
+            self._writer.write(_record(Kind.FORMAT, format_payload(self.file_id)))
+        self._tail = self._writer.size
         if self.fsync == "interval":
             self._start(self._sync_loop, "journal-fsync")
         if self.background:
@@ -244,7 +271,7 @@ class Journal:
         if not records:
             return records
         kind, payload = records[0]
-        found = bytes(payload).decode(errors="replace") if kind is Kind.FORMAT else "1"
+        found = parse_format(payload)[0] if kind is Kind.FORMAT else "1"
         if found != str(FORMAT_VERSION):
             raise JournalFormatError(
                 f"journal {self.path} is in format {found}, this broker reads format {FORMAT_VERSION} "
@@ -259,7 +286,10 @@ class Journal:
         self._threads.append(t)
 
     def append(self, kind: Kind, payload: bytes | memoryview) -> int:
-        """Append a record; returns its sequence number (durable once ``durable_seq`` reaches it)."""
+        """Append a record; returns its sequence number (durable once ``durable_seq`` reaches it). Its
+        payload will lie at ``last_offset`` of the file ``file_id``."""
+        self.last_offset = self._tail + _HEADER.size
+        self._tail = self.last_offset + len(payload)
         if self.background:  # the writer thread computes the checksum (isal releases the GIL)
             with self._lock:
                 self._staged.append((kind, payload))
@@ -334,32 +364,49 @@ class Journal:
             while self.durable_seq < self.appended_seq:
                 self._lock.wait()
 
-    def compact(self, records: Iterable[tuple[Kind, bytes | memoryview]]) -> None:
-        """Replace the log by ``records`` (the live state now). In background mode the writer thread does it
+    def compact(self, records: Iterable[tuple[Kind, bytes | memoryview]]) -> list[int]:
+        """Replace the log by ``records`` (the live state now); returns where each record's payload lies in
+        the new file (``file_id`` names it from now on). In background mode the writer thread does it
         in order with the appends: records appended before this call go to the old log first, later ones
         to the new log after the records, so the event loop does not wait for the copy; ``compacting``
         stays true until the new log is in place."""
+        records = list(records)
         if not self.background:
-            self.rewrite(records)
-            return
+            return self.rewrite(records)
+        file_id, offsets = self._plan(records)
         with self._lock:
             self.compacting = True
-            self._staged.append((None, list(records)))
+            self._staged.append((None, (file_id, records)))
             self._lock.notify_all()
+        return offsets
 
-    def rewrite(self, records: Iterable[tuple[Kind, bytes | memoryview]]) -> None:
+    def rewrite(self, records: Iterable[tuple[Kind, bytes | memoryview]]) -> list[int]:
         """Compaction, waiting for it: replace the log by ``records`` atomically."""
+        records = list(records)
         self.flush()
-        self._replace(records)
+        file_id, offsets = self._plan(records)
+        self._replace((file_id, records))
+        return offsets
 
-    def _replace(self, records: Iterable[tuple[Kind, bytes | memoryview]]) -> None:
+    def _plan(self, records: list[tuple[Kind, bytes | memoryview]]) -> tuple[str, list[int]]:
+        """A new file for ``records``: its id, and where their payloads will lie in it."""
+        file_id, offsets = new_file_id(), []
+        self._tail = FORMAT_RECORD_BYTES
+        for _, payload in records:
+            offsets.append(self._tail + _HEADER.size)
+            self._tail += _HEADER.size + len(payload)
+        self.file_id = file_id
+        return file_id, offsets
+
+    def _replace(self, compaction: tuple[str, Iterable[tuple[Kind, bytes | memoryview]]]) -> None:
+        file_id, records = compaction
         tmp = self.path.with_suffix(".log.tmp")
         tmp.unlink(missing_ok=True)
         # The same writer as appends (O_DIRECT where allowed): the live groups may be hundreds of MB, and
         # page-cache writes were several times slower here.
         writer = _open_writer(tmp, 0, self.direct_io)
         try:
-            writer.write(_record(Kind.FORMAT, _FORMAT_PAYLOAD))
+            writer.write(_record(Kind.FORMAT, format_payload(file_id)))
             for kind, payload in records:
                 writer.write(_record(kind, payload))
         finally:

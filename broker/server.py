@@ -28,6 +28,7 @@ from tidal.broker import protocol as proto
 from tidal.broker.codec import lease_to_wire
 from tidal.broker.config import BrokerConfig
 from tidal.broker.curve import configure_server
+from tidal.broker.local_journal import host_id
 from tidal.broker.state import BrokerState, CutBatch
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class _Waiter:
     after: int
     num_groups: int | None
     deadline: float
+    local: bool = False  # the client runs on this host and reads group frames from the journal itself
 
 
 @dataclass
@@ -94,6 +96,7 @@ class BrokerServer:
         self._fd = self.sock.getsockopt(zmq.FD)
         self._drain_scheduled = False
         self.tick_s = min(0.25, config.lease_timeout_s / 4, config.node_timeout_s / 4)
+        self.host = host_id()
 
     # ------------------------------------------------------------------ loop
     async def serve(self, stop: asyncio.Event) -> None:
@@ -299,6 +302,7 @@ class BrokerServer:
         for (peer, node_id), ack in acks.items():
             body = {"node_id": node_id, "through": ack.through, "filtered": ack.filtered}
             self._send(peer, ack.through, "ack", body, durable=True)
+        self._kick()  # a send after the socket read empty may have taken the edge of a new message
 
     def _on_release(self, peer: bytes, req: proto.Request) -> None:
         ids = req.body.get("group_ids")
@@ -345,7 +349,11 @@ class BrokerServer:
         if timeout_s is not None and (not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool)):
             raise proto.ProtocolError(proto.BAD_FRAME, "get_batch: timeout_s must be a number or nil")
         deadline = math.inf if timeout_s is None else now + max(0.0, float(timeout_s))
-        waiter = _Waiter(peer, req.id, req.body["after"], num_groups, deadline)
+        host = req.body.get("host")
+        if host is not None and not isinstance(host, str):
+            raise proto.ProtocolError(proto.BAD_FRAME, "get_batch: host must be a string or nil")
+        local = host is not None and host == self.host and self.state.journal is not None
+        waiter = _Waiter(peer, req.id, req.body["after"], num_groups, deadline, local)
         if not self._try_serve(waiter, now):
             self._waiters.append(waiter)
 
@@ -379,6 +387,18 @@ class BrokerServer:
                 "groups": len(batch.group_ids),
             }
         }
+        refs = self.state.journal_refs(batch) if w.local else None
+        if refs is not None:
+            # Where the frames lie in the journal (held until written, like every batch reply): the
+            # client reads them there, so they do not cross loopback a second time.
+            file_id, where = refs
+            body["batch"]["journal"] = {
+                "path": str(self.state.journal.path.resolve()),
+                "file_id": file_id,
+                "refs": where,
+            }
+            self._send(w.peer, w.rid, "ok", body, durable=True)
+            return
         self._send(w.peer, w.rid, "ok", body, self.state.frames_of(batch), durable=True)
 
     # ----------------------------------------------------------------- stats

@@ -55,6 +55,7 @@ class LeaseState:
 class StoredGroup:
     info: GroupInfo
     frame: Any  # bytes-like: the group frame exactly as it came (journaled and forwarded as is)
+    loc: tuple[str, int] | None = None  # (journal file id, offset) of its journal record's payload
 
 
 @dataclass
@@ -307,6 +308,8 @@ class BrokerState:
                 filtered.append(gid)
             else:
                 self._log(Kind.GROUP, s.frame.buffer if hasattr(s.frame, "buffer") else s.frame)
+                if self.journal is not None and self.journal.file_id is not None:
+                    s.loc = (self.journal.file_id, self.journal.last_offset)
                 self._accept(s, now)
                 accepted.append(gid)
             self.outstanding.pop(gid, None)
@@ -389,6 +392,20 @@ class BrokerState:
     def frames_of(self, batch: CutBatch) -> list[Any]:
         return [self.batch_store[g].frame for g in batch.group_ids]
 
+    def journal_refs(self, batch: CutBatch) -> tuple[str, list[list[int]]] | None:
+        """Where the batch's group frames lie in the current journal file: (file id, [[offset, length]]),
+        or None when some lie elsewhere (replayed after a restart, or in a file compaction replaced)."""
+        j = self.journal
+        if j is None or j.file_id is None:
+            return None
+        refs = []
+        for g in batch.group_ids:
+            s = self.batch_store[g]
+            if s.loc is None or s.loc[0] != j.file_id:
+                return None
+            refs.append([s.loc[1], len(s.frame)])
+        return j.file_id, refs
+
     def report_consumed(self, batch_id: int) -> None:
         if batch_id >= self.next_batch_id:
             raise ProtocolError(
@@ -421,7 +438,11 @@ class BrokerState:
         jc = self.cfg.journal
         if dead < jc.compact_every_bytes or dead < jc.compact_dead_per_live * live:
             return False
-        j.compact(self._snapshot_records())
+        offsets = j.compact(self._snapshot_records())
+        # The snapshot first, then one RESTORE per kept group in this order: they now lie in the new file.
+        kept = [*self.buffer.values(), *self.batch_store.values()]
+        for s, offset in zip(kept, offsets[1:], strict=True):
+            s.loc = (j.file_id, offset)
         return True
 
     def _snapshot_records(self):

@@ -107,3 +107,36 @@ def test_the_blocking_client_reads_acks_and_reports_filtered_groups(tmp_path):
             assert "v=3" in body["message"] and "ack" in body["message"]
     finally:
         stop(proc)
+
+
+def _groups(batch):
+    return [
+        (g.group_id, [(s.response_ids.tobytes(), s.logprobs.tobytes(), s.reward) for s in g.samples])
+        for g in batch.groups
+    ]
+
+
+def test_a_client_on_the_brokers_host_reads_batches_from_the_journal_others_get_frames(tmp_path):
+    proc, address = start_broker(tmp_path, 32, group_size=2, batch_groups=2, max_staleness=100)
+    try:
+        with (
+            BrokerClient(address, timeout_s=20) as node,
+            BrokerClient(address, timeout_s=20) as local,
+            BrokerClient(address, timeout_s=20, read_journal=False) as remote,
+        ):
+            node.register("rollout", "n")
+            for _ in range(2):
+                lease = node.lease(2)
+                node.submit(lease.lease_id, [fake_group(pg, response_len=50_000) for pg in lease.groups])
+            first = local.get_batch(-1)
+            assert local._local.batches_read == 1
+            # The same batch on the wire (asked again before it is consumed) holds the same bytes.
+            assert _groups(remote.get_batch(-1)) == _groups(first)
+            assert all(not s.response_ids.flags.writeable for g in first.groups for s in g.samples)
+            # A client that says it is elsewhere gets frames.
+            local._local.host = "another-host"
+            second = local.get_batch(0)
+            assert local._local.batches_read == 1 and len(second.groups) == 2
+            assert local.stats()["errors"] == {}
+    finally:
+        stop(proc)

@@ -4,9 +4,9 @@ import os
 
 import pytest
 
-from tidal.broker.journal import FORMAT_VERSION, Journal, JournalFormatError, Kind, read_records
+from tidal.broker.journal import FORMAT_RECORD_BYTES, Journal, JournalFormatError, Kind, read_records
 
-FORMAT_BYTES = 9 + len(str(FORMAT_VERSION))  # the FORMAT record every journal starts with
+FORMAT_BYTES = FORMAT_RECORD_BYTES  # the FORMAT record every journal starts with
 
 
 @pytest.mark.parametrize("direct_io", [True, False])
@@ -131,3 +131,39 @@ def test_background_compaction_takes_its_place_among_the_appends(tmp_path):
         (Kind.RESTORE, b"kept"),
         (Kind.CONSUMED, b"after"),
     ]
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_append_and_compact_say_where_each_payload_lies_and_in_which_file(tmp_path, background):
+    from tidal.broker.journal import parse_format
+
+    j = Journal(tmp_path, fsync="never", background=background)
+    j.open()
+    placed = []
+    for n in (5, 70_000, 4096, 1):
+        payload = os.urandom(n)
+        j.append(Kind.GROUP, payload)
+        placed.append((j.file_id, j.last_offset, payload))
+    first_id = j.file_id
+    j.flush()
+    before = j.path.read_bytes()
+    for file_id, offset, payload in placed:
+        assert file_id == first_id and before[offset : offset + len(payload)] == payload
+    kept = os.urandom(3000)
+    offsets = j.compact([(Kind.SNAPSHOT, b"snap"), (Kind.RESTORE, kept)])
+    assert j.file_id != first_id
+    compacted = [(j.file_id, offsets[1], kept)]
+    j.append(Kind.GROUP, b"later")
+    compacted.append((j.file_id, j.last_offset, b"later"))
+    j.flush()
+    data = j.path.read_bytes()
+    records, _ = read_records(memoryview(data))
+    assert parse_format(records[0][1]) == ("2", j.file_id)
+    for file_id, offset, payload in compacted:
+        assert file_id == j.file_id and data[offset : offset + len(payload)] == payload
+    j.close()
+    # Reopened, the journal keeps its file id.
+    again = Journal(tmp_path)
+    again.open()
+    assert again.file_id == compacted[0][0]
+    again.close()
