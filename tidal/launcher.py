@@ -125,6 +125,14 @@ def plan_placement(config: RunConfig, gpus: tuple[int, list[str]] | None = None)
             f"GPU {trainer[0]}: {'NCCL refuses two ranks on one GPU' if colocated_mode else 'CUDA IPC needs the engines on the sender GPU'}; "
             f"use {wanted!r} or 'auto'"
         )
+    per_node = config.rollout.engines_per_node if embedded else 1
+    if not colocated_mode and (len(set(node_gpus)) != nodes or per_node > 1):
+        raise ConfigError(
+            f"rollout.nodes={nodes} x rollout.engines_per_node={per_node} engines on GPUs {node_gpus}: every "
+            "engine joins the trainer's NCCL weight group, and NCCL refuses two ranks on one GPU; give each "
+            f"engine its own GPU (gpus.engines, {count} visible), or set rollout.nodes={len(set(node_gpus))}, "
+            f"or colocate them with gpus.engines=[{trainer[0]}]"
+        )
     overrides: dict[str, object] = {"weights_sync.transport": wanted}
     if embedded:
         overrides["rollout.engine.device"] = "cuda"

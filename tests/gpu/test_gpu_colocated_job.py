@@ -91,7 +91,9 @@ def check_job(run_dir: Path, result: subprocess.CompletedProcess, transport: str
     assert all(math.isfinite(r["loss"]) for r in steps)
     assert all("time/weight_sync_s" in r for r in steps), "a step without a weight sync"
     engine_logs = sorted((run_dir / "nodes").rglob("engine-*.log"))
-    assert len(engine_logs) >= 2 and all("on cuda" in p.read_text(errors="replace") for p in engine_logs)
+    assert len(engine_logs) >= resolved["rollout"]["nodes"] and all(
+        "on cuda" in p.read_text(errors="replace") for p in engine_logs
+    )
     report = json.loads((run_dir / "report.json").read_text())
     assert report["eval_problems"] == 200
     summary = dict(
@@ -120,4 +122,6 @@ def test_default_job_across_gpus_syncs_over_nccl(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 or more GPUs (issue 9); {torch.cuda.device_count()} visible here")
     run_dir = tmp_path / "run"
-    check_job(run_dir, run_job(run_dir), "collective")
+    # one rollout node per engine GPU: every engine is a rank of the NCCL weight group (one rank per GPU)
+    engines = torch.cuda.device_count() - 1
+    check_job(run_dir, run_job(run_dir, f"rollout.nodes={min(engines, 2)}"), "collective")

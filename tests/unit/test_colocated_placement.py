@@ -42,17 +42,18 @@ def test_one_gpu_is_colocated_with_cuda_ipc_and_multicast_off():
 
 
 def test_several_gpus_put_the_engines_beside_the_trainer_over_nccl():
-    p = plan_placement(config(device="cuda", rollout__nodes=3), gpus(3, ["4", "5", "7"]))
+    p = plan_placement(config(device="cuda", rollout__nodes=2), gpus(3, ["4", "5", "7"]))
     assert not p.colocated and p.overrides["weights_sync.transport"] == "collective"
     assert p.trainer_env["CUDA_VISIBLE_DEVICES"] == "4"  # indices are among the visible GPUs
-    assert [e["CUDA_VISIBLE_DEVICES"] for e in p.node_envs] == ["5", "7", "5"]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in p.node_envs] == ["5", "7"]
     p = plan_placement(
-        config(device="cuda", trainer__nproc=2, gpus__engines=[3], trainer__bf16=True), gpus(4)
+        config(device="cuda", trainer__nproc=2, gpus__engines=[3], trainer__bf16=True, rollout__nodes=1),
+        gpus(4),
     )
     assert (
         p.trainer_env["CUDA_VISIBLE_DEVICES"] == "0,1" and p.overrides["rollout.engine.dtype"] == "bfloat16"
     )
-    assert [e["CUDA_VISIBLE_DEVICES"] for e in p.node_envs] == ["3", "3"]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in p.node_envs] == ["3"]
 
 
 def test_cpu_hides_the_gpus_from_every_process():
@@ -75,6 +76,9 @@ def test_cpu_hides_the_gpus_from_every_process():
         (dict(device="cuda", gpus__engines=[0, 1]), 2, "mix the trainer's first GPU"),
         (dict(device="cuda", weights_sync__transport="collective"), 1, "NCCL refuses two ranks on one GPU"),
         (dict(device="cuda", weights_sync__transport="cuda_ipc"), 2, "CUDA IPC needs the engines"),
+        # two nodes on the one GPU left over: both would be ranks of the NCCL weight group on one GPU
+        (dict(device="cuda"), 2, "give each engine its own GPU"),
+        (dict(device="cuda", rollout__engines_per_node=2, rollout__nodes=1), 3, "engines_per_node=2"),
     ],
 )
 def test_combinations_that_cannot_run_name_key_value_and_rule(cfg, count, message):
