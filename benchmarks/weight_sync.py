@@ -180,6 +180,39 @@ VARIANTS = {
 }
 
 
+_VARIANT_KEYS = {  # key=MIB settings of a variant, e.g. own=8,bucket=256
+    "own": "own_broadcast_bytes",
+    "bucket": "bucket_bytes",
+    "first": "first_bucket_bytes",
+}
+
+
+def _variant(name: str) -> dict:
+    """Comma-separated VARIANTS names and key=value settings: own=MIB (tensors of at least MIB on broadcasts of
+    their own), bucket=MIB, first=MIB (first bucket), inflight=N."""
+    update: dict = {}
+    for part in name.split(","):
+        key, _, value = part.partition("=")
+        if part in VARIANTS:
+            update |= VARIANTS[part]
+        elif key == "inflight":
+            update["inflight_buckets"] = int(value)
+        else:
+            update[_VARIANT_KEYS[key]] = int(float(value) * (1 << 20))
+    return update
+
+
+def _variant_name(name: str) -> str:
+    try:
+        _variant(name)
+    except (KeyError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(
+            f"{name!r}: choose one of {list(VARIANTS)} or key=value[,key=value] with keys "
+            f"{[*_VARIANT_KEYS, 'inflight']} (e.g. own=8,bucket=256)"
+        ) from exc
+    return name
+
+
 def run_size(sender: WeightSender, urls: list[str], target: int, model: ModelConfig, args) -> list[dict]:
     """Medians for one model size, one result per ``--variants`` entry; [] on the ranks that only help
     gather.
@@ -191,7 +224,7 @@ def run_size(sender: WeightSender, urls: list[str], target: int, model: ModelCon
     """
     make = megatron_source(model, args) if args.tp > 1 else local_source(model, args)
     base = sender.config
-    configs = {v: base.model_copy(update=VARIANTS[v]) for v in args.variants}
+    configs = {v: base.model_copy(update=_variant(v)) for v in args.variants}
     runs = {v: ([], [], []) for v in args.variants}  # full, raw, raw_cpu
     version = 0
     for config in configs.values():
@@ -313,10 +346,11 @@ def main() -> int:
         "--variants",
         nargs="+",
         default=["default"],
-        choices=list(VARIANTS),
+        type=_variant_name,
         help="sender settings to compare in one run, interleaved: default (as configured), packed (no "
         "tensor on its own broadcast: every byte packed and copied at load), serial (packed, one bucket "
-        "at a time)",
+        "at a time), or key=value[,key=value]: own=MIB (tensors of at least MIB on broadcasts of their own), "
+        "bucket=MIB, first=MIB, inflight=N",
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])

@@ -232,10 +232,10 @@ class WeightReceiver:
                 arrived = None
                 for first, end in runs:
                     dst = None
-                    if target is not None and checksum is None and end - first == 1:
-                        dst = _writable(target, *views[first])
+                    if target is not None and checksum is None:
+                        dst = _in_place(target, views[first:end])
                     if dst is not None:
-                        direct.add(first)
+                        direct.update(range(first, end))
                     else:
                         start = views[first][1].data_ptr() - buf.data_ptr()
                         last = views[end - 1][1]
@@ -346,12 +346,31 @@ def _runs(segments: list[int] | None, n: int) -> list[tuple[int, int]]:
     return list(zip(bounds, bounds[1:], strict=False))
 
 
-def _writable(target: Target, name: str, view: torch.Tensor) -> torch.Tensor | None:
-    """The bytes of ``name``'s target tensor, if it can take the broadcast as it is (same dtype, shape,
-    device and contiguous), else None."""
-    t = target(name, list(view.shape), view.dtype)
-    if t is None or t.dtype != view.dtype or t.shape != view.shape or t.device != view.device:
-        return None
-    if not t.is_contiguous():
-        return None
-    return t.view(-1).view(torch.uint8)
+def _in_place(target: Target, views: list[tuple[str, torch.Tensor]]) -> torch.Tensor | None:
+    """The bytes that the segment ``views`` can be received into in place: its tensors' targets, if each
+    takes its tensor as it is (same dtype, shape, device; contiguous) and they lie back to back in one
+    storage in the segment's order (as q/k/v or gate/up do in a fused matrix); else None."""
+    targets = []
+    for name, view in views:
+        t = target(name, list(view.shape), view.dtype)
+        if t is None or t.dtype != view.dtype or t.shape != view.shape or t.device != view.device:
+            return None
+        if not t.is_contiguous():
+            return None
+        targets.append(t)
+    return byte_span(targets)
+
+
+def byte_span(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """A uint8 view over contiguous ``tensors`` that lie back to back in one storage, else None."""
+    first = tensors[0]
+    end = first.data_ptr()
+    for t in tensors:
+        if t.data_ptr() != end or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return None
+        end += t.numel() * t.element_size()
+    nbytes = end - first.data_ptr()
+    offset = first.storage_offset() * first.element_size()
+    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(
+        first.untyped_storage(), offset, (nbytes,)
+    )

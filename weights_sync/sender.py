@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from tidal.procs import free_port
-from tidal.weights_sync import bucket, transport
+from tidal.weights_sync import bucket, receiver, transport
 from tidal.weights_sync.config import WeightSyncConfig
 from tidal.weights_sync.engine_api import EngineEndpoint, EngineError, EngineWeightsClient
 
@@ -308,13 +308,13 @@ class WeightSender:
                     torch.cuda.current_stream(self.device).wait_event(sent)
                 t0 = time.perf_counter()
                 runs = _segments(items, self.config.own_broadcast_bytes if self._segmented else None)
-                need = sum(_nbytes(t) for direct, run in runs if not direct for _, t in run)
+                need = sum(_nbytes(t) for own, run in runs if own is None for _, t in run)
                 if staging is None or staging.numel() < need:
                     staging = torch.empty(max(need, bucket_bytes), dtype=torch.uint8, device=self.device)
                 payload, offset = [], 0  # the bucket's broadcasts, in order
-                for direct, run in runs:
-                    if direct:  # sent from its own memory: nothing to copy
-                        payload.append(run[0][1].detach().reshape(-1).view(torch.uint8))
+                for own, run in runs:
+                    if own is not None:  # sent from its own memory: nothing to copy
+                        payload.append(own)
                         continue
                     n = sum(_nbytes(t) for _, t in run)
                     payload.append(bucket.pack(run, out=staging[offset : offset + n])[0])
@@ -322,7 +322,7 @@ class WeightSender:
                 spec = _spec(items)
                 crc = _checksum(payload) if self.config.verify_checksums else None
                 # announced whenever a tensor goes on its own: the engine may then receive it in place
-                counts = [len(run) for _, run in runs] if any(direct for direct, _ in runs) else None
+                counts = [len(run) for _, run in runs] if any(own is not None for own, _ in runs) else None
                 packed = None
                 if cuda:
                     packed = torch.cuda.Event()
@@ -480,20 +480,37 @@ def _spec(items: list[tuple[str, bucket.Packable]]) -> bucket.BucketSpec:
 
 def _segments(
     items: list[tuple[str, bucket.Packable]], own_bytes: int | None
-) -> list[tuple[bool, list[tuple[str, bucket.Packable]]]]:
-    """The bucket's broadcasts: (True, [tensor]) for a contiguous tensor of at least ``own_bytes`` sent
-    from its own memory, (False, run) for consecutive tensors packed into the staging buffer."""
+) -> list[tuple[torch.Tensor | None, list[tuple[str, bucket.Packable]]]]:
+    """The bucket's broadcasts, in order: (bytes, run) for contiguous tensors lying back to back in one
+    storage (gate and up from megatron's fused fc1) of at least ``own_bytes`` together, sent from their
+    own memory; (None, run) for consecutive tensors packed into the staging buffer."""
     if own_bytes is None:
-        return [(False, items)]
-    runs: list[tuple[bool, list[tuple[str, bucket.Packable]]]] = []
+        return [(None, items)]
+    adjacent: list[list[tuple[str, bucket.Packable]]] = []  # runs of back-to-back tensors, or one packable
     for name, t in items:
-        own = isinstance(t, torch.Tensor) and t.is_contiguous() and _nbytes(t) >= own_bytes
-        if own:
-            runs.append((True, [(name, t)]))
-        elif runs and not runs[-1][0]:
-            runs[-1][1].append((name, t))
+        last = adjacent[-1] if adjacent else None
+        if (
+            last is not None
+            and isinstance(t, torch.Tensor)
+            and isinstance(last[-1][1], torch.Tensor)
+            and t.is_contiguous()
+            and last[-1][1].is_contiguous()
+            and receiver.byte_span([last[-1][1], t]) is not None
+        ):
+            last.append((name, t))
         else:
-            runs.append((False, [(name, t)]))
+            adjacent.append([(name, t)])
+    runs: list[tuple[torch.Tensor | None, list[tuple[str, bucket.Packable]]]] = []
+    for run in adjacent:
+        span = None
+        if all(isinstance(t, torch.Tensor) and t.is_contiguous() for _, t in run):
+            span = receiver.byte_span([t for _, t in run])
+        if span is not None and span.numel() >= own_bytes:
+            runs.append((span, run))
+        elif runs and runs[-1][0] is None:
+            runs[-1][1].extend(run)
+        else:
+            runs.append((None, list(run)))
     return runs
 
 

@@ -76,7 +76,10 @@ def _stats(url: str) -> dict:
 @pytest.mark.slow
 def test_sync_delivers_every_tensor_bitwise_to_every_engine(receivers, checkpoint, tmp_path):
     _, urls = receivers
-    config = WeightSyncConfig(bucket_bytes=64 << 10, timeout_s=20, verify_checksums=True)
+    # the 1 MiB embedding goes out on a broadcast of its own (bucket_segments)
+    config = WeightSyncConfig(
+        bucket_bytes=64 << 10, timeout_s=20, verify_checksums=True, own_broadcast_bytes=512 << 10
+    )
     sender = WeightSender(config, [EngineEndpoint(u) for u in urls])
     try:
         report = sender.sync(lambda: iter(checkpoint.items()), version=5)
@@ -89,11 +92,18 @@ def test_sync_delivers_every_tensor_bitwise_to_every_engine(receivers, checkpoin
             assert sorted(got) == sorted(checkpoint)
             assert all(torch.equal(got[n], t) for n, t in checkpoint.items())
             assert _stats(url)["version"] == "5"
-        # a second sync reuses the group
-        again = sender.sync(lambda: iter(checkpoint.items()), version=6)
+        # a second sync reuses the group; without checksums the receivers take the embedding in place
+        sender.config = config.model_copy(update={"verify_checksums": False})
+        changed = {n: t + 1 for n, t in checkpoint.items()}
+        again = sender.sync(lambda: iter(changed.items()), version=6)
         assert again.ok and all(_stats(u)["version"] == "6" for u in urls)
         assert all(len(_stats(u)["groups"]) == 1 for u in urls)
         assert _stats(urls[0])["bytes"] == 2 * total
+        embed = checkpoint["model.embed_tokens.weight"]
+        # at least the embedding; small tensors that happen to lie back to back on both sides may join it
+        assert all(_stats(u)["in_place_bytes"] >= embed.numel() * embed.element_size() for u in urls)
+        got = _engine_tensors(urls[0], tmp_path / "again")
+        assert all(torch.equal(got[n], t) for n, t in changed.items())
     finally:
         sender.close()
 
