@@ -200,9 +200,8 @@ class ModelConfig(BaseModel):
             fields["num_experts"] = hf.get("num_experts", hf.get("num_local_experts", 0))
         if family in ("deepseek_v3", "glm_moe_dsa", "deepseek_v4"):
             fields["num_experts"] = hf.get("n_routed_experts", 0)
+        # transformers writes MLA's rotary width as head_dim; ModelConfig's head_dim is nope + rope
         if family in MLA_FAMILIES:
-            fields.setdefault("head_dim", hf.get("qk_nope_head_dim", 0) + hf.get("qk_rope_head_dim", 0))
-        if family == "glm_moe_dsa":  # transformers writes the rotary width as head_dim
             fields["head_dim"] = hf.get("qk_nope_head_dim", 0) + hf.get("qk_rope_head_dim", 0)
         if family == "qwen3_5_moe":
             fields["num_experts"] = hf.get("num_experts", 0)
@@ -266,6 +265,7 @@ class ModelConfig(BaseModel):
                 n_group=1,
                 topk_group=1,
                 routed_scaling_factor=self.routed_scaling_factor,
+                num_nextn_predict_layers=self.num_nextn_predict_layers,  # transformers' default is 1
                 scoring_func="sigmoid",
                 topk_method="noaux_tc",
                 rope_scaling=None,

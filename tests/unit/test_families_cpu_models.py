@@ -1,4 +1,4 @@
-"""Qwen3.5 and GLM-5 megatron-core models on CPU against transformers, from the same random checkpoint.
+"""Qwen3.5, GLM-5 and Kimi K2.6 megatron-core models on CPU against transformers, from one random checkpoint.
 
 One child process (megatron's parallel state is process-wide) loads a random Hugging Face checkpoint of each
 tiny preset (configs/tiny/) into tidal's megatron-core model through the weight mapping, exports it back,
@@ -9,6 +9,9 @@ only here, they are replaced by torch reference implementations of the same thre
 ``causal_conv1d``, ``chunk_gated_delta_rule``; the last is megatron-core's own torch version, applied per
 packed sequence). The GPU test (tests/gpu/test_gpu_qwen3_5.py) runs the real kernels. The trainer itself
 refuses the family on CPU, which is checked too.
+
+Kimi K2.6 (DeepSeek-V3 architecture) checks the MLA details both MLA families share: the routed
+experts' weights scaled by ``routed_scaling_factor`` and the latent norms at transformers' eps.
 
 GLM-5 runs megatron-core's DSA modules as they are: its indexer keeps ``index_topk`` = 8 of the up to 28
 previous tokens, so the batch comparison covers the sparse selection. The packed comparison keeps the rows
@@ -31,6 +34,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LENGTHS = (20, 28)
+PRESETS = ("qwen3_5_35b_a3b", "glm_5_1", "kimi_k2_6")
 # fp32 on both sides; the implementations sum in different orders (fused q/k/v, absorbed MLA, chunked
 # delta rule), which moves the last bits of the logits
 FP32_RTOL = 1e-5
@@ -148,7 +152,7 @@ _CHILD = textwrap.dedent(
 @pytest.fixture(scope="module")
 def results() -> dict:
     proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(ROOT), "qwen3_5_35b_a3b", "glm_5_1"],
+        [sys.executable, "-c", _CHILD, str(ROOT), *PRESETS],
         capture_output=True,
         text=True,
         timeout=300,
@@ -157,7 +161,7 @@ def results() -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("preset", ["qwen3_5_35b_a3b", "glm_5_1"])
+@pytest.mark.parametrize("preset", PRESETS)
 def test_checkpoint_loads_exports_bitwise_and_keeps_its_config(results, preset):
     result = results[preset]
     assert result["config_round_trip"], "the config must come back from the Hugging Face directory"
@@ -165,7 +169,7 @@ def test_checkpoint_loads_exports_bitwise_and_keeps_its_config(results, preset):
     assert result["export_bitwise"]
 
 
-@pytest.mark.parametrize("preset", ["qwen3_5_35b_a3b", "glm_5_1"])
+@pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("layout", ["batch", "packed"])
 def test_logits_match_transformers(results, preset, layout):
     assert results[preset][f"{layout}_error"] < FP32_RTOL, results[preset]
