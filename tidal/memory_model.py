@@ -28,8 +28,9 @@ router logits in fp32), as megatron-core's local spec and tidal's packed core at
 trainer's path without Transformer Engine; docs/planner.md lists them), with sequence parallel when
 tp > 1, balanced routing, and the pipeline's in-flight micro-batches (1F1B: stage r holds pp - r;
 interleaved: megatron's warm-up count) plus each one's stage output. Full recompute keeps each layer's
-input and one layer's activations. The last stage also holds the loss's peak over one micro-batch's
-logits (bf16 output, its fp32 copy, shifted logits and their exponentials over vocab/tp).
+input and one layer's activations. On CUDA in bf16 the core attention is the varlen flash kernel (no K/V
+repeat). The last stage also holds the loss's peak over one micro-batch's logits (the fused logprobs:
+the logits and their gradient in the compute dtype, and two fp32 row chunks, over vocab/tp).
 
 The estimate is checked against measured peak memory through :func:`compare_with_measured`.
 """
@@ -267,22 +268,33 @@ def _rope_act(m: ModelConfig, rope_dim: int) -> float:
 
 
 def _sdpa_act(heads: int, qk_dim: int, v_dim: int) -> float:
-    """The packed core attention (trainer/attention.py): gathered q, k and v (k and v repeated to all
-    heads for GQA) and the output, each a copy, and the fp32 log-sum-exp."""
+    """The packed core attention's reference path (trainer/attention.py, ``sdpa``: CPU, fp32): gathered
+    q, k and v (k and v repeated to all heads for GQA) and the output, each a copy, and the fp32
+    log-sum-exp."""
     return 2 * heads * (qk_dim + v_dim) + 2 * heads
 
 
-def _attention_act(m: ModelConfig, kind: str, device: Device = "cuda") -> float:
+def _flash_varlen_act(heads: int, kv_heads: int, head_dim: int) -> float:
+    """The varlen flash kernel (``flash_varlen``: CUDA, bf16; GQA native, no K/V repeat, no copies): it
+    keeps the rotated q and k, the output and the fp32 log-sum-exp (v is a view of linear_qkv's output)."""
+    return (2 * heads + kv_heads) * head_dim + 2 * heads
+
+
+def _attention_act(m: ModelConfig, kind: str, device: Device = "cuda", bf16: bool = True) -> float:
     """Elements per token kept by a layer's attention (from its input norm's output on)."""
     h, nh = m.hidden_size, m.num_attention_heads
     composite = device == "cpu"
+    flash = device == "cuda" and bf16  # trainer.kernels.attention=auto
     if kind in ("gqa", "gated_gqa"):
         q, k = nh * m.head_dim, m.num_key_value_heads * m.head_dim
         q_out = q * (2 if kind == "gated_gqa" else 1)
         elems = h + q_out + 2 * k  # linear_qkv input, its output (the k-norm's input is a view of it)
         elems += _norm_act(q, device) + (k if composite else 0) + 2  # q-norm (on a copy), k-norm
         elems += _rope_act(m, int(m.head_dim * m.partial_rotary_factor))
-        elems += _sdpa_act(nh, m.head_dim, m.head_dim) + q  # + linear_proj input
+        if flash:
+            elems += _flash_varlen_act(nh, m.num_key_value_heads, m.head_dim) + q  # + linear_proj input
+        else:
+            elems += _sdpa_act(nh, m.head_dim, m.head_dim) + q
         return elems + (2 * q if kind == "gated_gqa" else 0)  # gate and gated output
     if kind == "gdn":
         key_dim = m.linear_num_key_heads * m.linear_key_head_dim
@@ -346,11 +358,11 @@ def _mlp_act(m: ModelConfig, layer: int) -> tuple[float, float]:
     return dense, routed
 
 
-def layer_count(m: ModelConfig, layer: int, device: Device = "cuda") -> LayerCount:
+def layer_count(m: ModelConfig, layer: int, device: Device = "cuda", bf16: bool = True) -> LayerCount:
     dense_params, expert_params = layer_params(m, layer)
     mlp_dense, mlp_routed = _mlp_act(m, layer)
     norms = 2 * _norm_act(m.hidden_size, device)  # input and pre-MLP norms
-    dense = norms + _attention_act(m, m.attention_kind(layer), device) + mlp_dense
+    dense = norms + _attention_act(m, m.attention_kind(layer), device, bf16) + mlp_dense
     if m.hc_mult:
         dense += 2 * (2 * m.hc_mult * m.hidden_size + m.hidden_size)  # fp32 streams and the mixed input
     return LayerCount(dense_params, expert_params, dense * BF16, mlp_routed * BF16)
@@ -361,11 +373,16 @@ def head_act(m: ModelConfig, device: Device = "cuda") -> float:
     return _norm_act(m.hidden_size, device) + m.hidden_size
 
 
-def logits_bytes_per_element(bf16: bool) -> float:
-    """Peak bytes per logit of the loss (trainer/step.py: _VocabParallel): the output layer's logits, their
-    fp32 copy (none in fp32 training), the max-shifted logits and their exponentials (kept for backward);
-    backward holds as many fp32 gradients of the same shape."""
-    return (BF16 + FP32 if bf16 else FP32) + 2 * FP32
+LOGPROB_CHUNK_TOKENS = 1024  # trainer.kernels.logprobs_chunk_tokens' default
+
+
+def logits_peak_bytes(tokens: float, vocab_shard: int, bf16: bool) -> float:
+    """Peak of the loss over the (vocab-sharded) logits with the fused logprobs (trainer/fused_logprobs.py,
+    ``trainer.kernels.logprobs=auto``): the output layer's logits, kept for backward, and their gradient,
+    both in the compute dtype, live together in backward; plus two fp32 row chunks at a time (a chunk's
+    log-softmax and its exponential)."""
+    elem = BF16 if bf16 else FP32
+    return 2 * elem * vocab_shard * tokens + 2 * FP32 * vocab_shard * min(LOGPROB_CHUNK_TOKENS, tokens)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -435,7 +452,7 @@ def estimate(
     ``bf16=False`` is fp32 training (the tiny CPU runs): 4-byte weights and activations. ``device``: what
     runs it (on CPU torch's RMSNorm keeps more; see :func:`_norm_act`).
     """
-    counts = counts or [layer_count(model, i, device) for i in range(model.num_hidden_layers)]
+    counts = counts or [layer_count(model, i, device, bf16) for i in range(model.num_hidden_layers)]
     local_tokens = tokens / p.cp
     act_scale = 1 if bf16 else FP32 / BF16
     per_param = PARAM_BYTES[(optimizer, bf16)]
@@ -475,7 +492,7 @@ def estimate(
         if rank == p.pp - 1:
             # final norm and output layer input, then the loss's peak over the (vocab-sharded) logits
             logits = head_act(model, device) * BF16 * act_scale / p.tp * local_tokens
-            logits += logits_bytes_per_element(bf16) * math.ceil(model.vocab_size / p.tp) * local_tokens
+            logits += logits_peak_bytes(local_tokens, math.ceil(model.vocab_size / p.tp), bf16)
         result.stages.append(
             StageMemory(
                 stage=rank,
