@@ -99,6 +99,17 @@ class KernelConfig(BaseModel):
     logprobs_chunk_tokens: int = Field(
         1024, ge=1, description="fused logprobs: rows of logits converted to fp32 at a time"
     )
+    adam: Literal["auto", "fused", "foreach"] = Field(
+        "auto",
+        description="the torch Adam inside megatron's optimizer (no Apex/TE): fused = torch's fused CUDA "
+        "kernel; foreach = torch's default multi-tensor path; auto = fused when every parameter is on CUDA",
+    )
+    multi_tensor: Literal["foreach", "megatron"] = Field(
+        "foreach",
+        description="gradient norm / scale / copy helpers of megatron's optimizer without Apex: foreach = "
+        "torch._foreach_* on the device, no host sync; megatron = megatron-core's local fallbacks (one "
+        "host sync per parameter tensor for the gradient norm)",
+    )
 
 
 class TrainerConfig(BaseModel):

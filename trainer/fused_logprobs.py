@@ -28,7 +28,63 @@ def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
     return t
 
 
+def _log_softmax(chunk: torch.Tensor, scale: float) -> torch.Tensor:
+    """fp32 log-softmax of a row chunk: one kernel reading the logits' own dtype when unscaled."""
+    if scale == 1.0:
+        return torch.log_softmax(chunk, dim=-1, dtype=torch.float32)
+    return torch.log_softmax(torch.mul(chunk.to(torch.float32), scale), dim=-1)  # out of place: fp32 input
+
+
+class _ChunkedLogSoftmax(torch.autograd.Function):
+    """The whole vocabulary on this rank: log-softmax per row chunk (forward one kernel per chunk)."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, with_entropy, scale, chunk):
+        tokens = logits.shape[0]
+        local = labels.long()
+        logprobs = torch.empty(tokens, dtype=torch.float32, device=logits.device)
+        entropy = torch.empty_like(logprobs) if with_entropy else None
+        for start in range(0, tokens, chunk):
+            rows = slice(start, min(start + chunk, tokens))
+            logp = _log_softmax(logits[rows], scale)
+            logprobs[rows] = logp.gather(-1, local[rows, None]).squeeze(-1)
+            if with_entropy:
+                entropy[rows] = logp.exp().mul_(logp).sum(dim=-1).neg_()
+            del logp
+        ctx.save_for_backward(logits, local, entropy if with_entropy else logprobs)
+        ctx.with_entropy, ctx.scale, ctx.chunk = with_entropy, scale, chunk
+        if with_entropy:
+            return logprobs, entropy
+        return logprobs, torch.zeros(0, device=logits.device)
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        logits, local, entropy = ctx.saved_tensors
+        tokens = logits.shape[0]
+        use_entropy = ctx.with_entropy and grad_entropy is not None
+        grad_lp = grad_logprobs if grad_logprobs is not None else torch.zeros_like(entropy)
+        grad = torch.empty_like(logits)
+        for start in range(0, tokens, ctx.chunk):
+            rows = slice(start, min(start + ctx.chunk, tokens))
+            logp = _log_softmax(logits[rows], ctx.scale)
+            p = logp.exp()
+            if use_entropy:
+                # -p (g_lp + g_H (log p + H))
+                logp.add_(entropy[rows, None]).mul_(grad_entropy[rows, None]).add_(grad_lp[rows, None])
+                g = p.mul_(logp).neg_()
+            else:
+                g = p.mul_(grad_lp[rows, None].neg())
+            g.scatter_add_(-1, local[rows, None], grad_lp[rows, None].to(g.dtype))
+            if ctx.scale != 1.0:
+                g.mul_(ctx.scale)
+            grad[rows] = g
+            del logp, p, g
+        return grad, None, None, None, None
+
+
 class _ChunkedVocabLogprobs(torch.autograd.Function):
+    """A vocabulary sharded over a tensor-parallel group: per-shard statistics combined over the group."""
+
     @staticmethod
     def forward(ctx, logits, labels, with_entropy, scale, chunk, group, vocab_start):
         tokens, shard = logits.shape
@@ -80,10 +136,10 @@ class _ChunkedVocabLogprobs(torch.autograd.Function):
         grad = torch.empty_like(logits)
         for start in range(0, tokens, ctx.chunk):
             rows = slice(start, min(start + ctx.chunk, tokens))
-            z = logits[rows].to(torch.float32, copy=True)  # never a view: changed in place
             if ctx.scale != 1.0:
-                z.mul_(ctx.scale)
-            z.sub_(log_z[rows, None])  # log p
+                z = torch.mul(logits[rows].to(torch.float32), ctx.scale).sub_(log_z[rows, None])  # log p
+            else:
+                z = torch.sub(logits[rows], log_z[rows, None])  # log p, fp32 (type promotion), one kernel
             p = z.exp()
             coeff = grad_lp[rows, None]
             if use_entropy:
@@ -124,7 +180,16 @@ def vocab_parallel_logprobs(
         raise ValueError(f"temperature={temperature} must be > 0")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
-    logprobs, entropy = _ChunkedVocabLogprobs.apply(
-        logits, labels, with_entropy, 1.0 / temperature, chunk_tokens, group, vocab_start
-    )
+    if group is None or dist.get_world_size(group) == 1:
+        if vocab_start:
+            raise ValueError(
+                f"vocab_start={vocab_start} without a tensor-parallel group: the shard is the vocabulary"
+            )
+        logprobs, entropy = _ChunkedLogSoftmax.apply(
+            logits, labels, with_entropy, 1.0 / temperature, chunk_tokens
+        )
+    else:
+        logprobs, entropy = _ChunkedVocabLogprobs.apply(
+            logits, labels, with_entropy, 1.0 / temperature, chunk_tokens, group, vocab_start
+        )
     return logprobs, entropy if with_entropy else None

@@ -172,12 +172,33 @@ class _FusedVocabParallel(_VocabParallel):
         )
 
 
-def _logprob_impl(chunks) -> _VocabParallel:
-    """The logprob implementation ``trainer.kernels`` asks for (kept on the model by ``build_model``)."""
+def _kernels(chunks):
+    """``trainer.kernels`` as ``build_model`` recorded it on the model (defaults when absent)."""
     from tidal.trainer.config import KernelConfig
     from tidal.trainer.models import unwrap
 
-    kernels = getattr(unwrap(chunks[0]), "tidal_kernels", None) or KernelConfig()
+    return getattr(unwrap(chunks[0]), "tidal_kernels", None) or KernelConfig()
+
+
+def _prepare_optimizer(state) -> None:
+    """The optimizer helpers and Adam kernel ``trainer.kernels`` asks for (before the first step)."""
+    from tidal.trainer import fused_optim
+
+    kernels = _kernels(state.chunks)
+    fused_optim.install(kernels.multi_tensor == "foreach")
+    if kernels.adam != "foreach" and not getattr(state, "_tidal_adam_checked", False):
+        switched = fused_optim.use_fused_adam(state.optimizer)
+        if kernels.adam == "fused" and not switched:
+            raise ValueError(
+                "trainer.kernels.adam=fused: no torch Adam with CUDA parameters and no state yet in this "
+                "optimizer (CPU run, Apex/TE optimizer, or already stepped); use auto or foreach"
+            )
+        state._tidal_adam_checked = True
+
+
+def _logprob_impl(chunks) -> _VocabParallel:
+    """The logprob implementation ``trainer.kernels`` asks for (kept on the model by ``build_model``)."""
+    kernels = _kernels(chunks)
     if kernels.logprobs == "reference":
         return _VocabParallel()
     return _FusedVocabParallel(kernels.logprobs_chunk_tokens)
@@ -338,6 +359,8 @@ def train_step(
         reference = forward_logprobs(reference_chunks, local, temperature)
         local = [replace(mb, ref_logprobs=r) for mb, r in zip(local, reference, strict=True)]
 
+    if not forward_only:
+        _prepare_optimizer(state)
     tconfig.finalize_model_grads_func = finalize_model_grads
     tconfig.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
     if not forward_only:

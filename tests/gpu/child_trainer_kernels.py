@@ -274,12 +274,42 @@ def moe_expert_checks() -> dict:
     }
 
 
+def train_step_checks() -> dict:
+    """Two train steps with the default kernels: torch's fused Adam is switched on, no host sync per tensor."""
+    from tidal.trainer.config import LossConfig, OptimizerConfig
+    from tidal.trainer.optimizer import build_train_state
+    from tidal.trainer.step import train_step
+    from tidal.trainer.synthetic import make_loss, plan, synthetic_groups
+
+    model = ModelConfig(family="qwen3", **SHAPE)
+    parallel.init_parallel(MeshConfig(), model, seed=0)
+    tconfig = models.transformer_config(model, MeshConfig(), bf16=True)
+    chunks = models.build_model(model, tconfig, seed=1)
+    state = build_train_state(chunks, tconfig, OptimizerConfig(lr=1e-3, clip_grad=1.0), total_steps=2)
+    groups = synthetic_groups(
+        vocab_size=model.vocab_size,
+        groups=8,
+        group_size=4,
+        prompt_len=(16, 48),
+        response_len=(16, 96),
+        seed=0,
+    )
+    minibatch = plan(groups, dp_size=1, max_tokens=2048, pad_multiple=8)
+    loss_fn = make_loss("sft", LossConfig(kind="sft"), minibatch.normalizer, 0)
+    losses = [train_step(state, minibatch.micro_batches(0), loss_fn).loss for _ in range(2)]
+    from tidal.trainer.fused_optim import _torch_optimizers
+
+    fused = [bool(g["fused"]) for opt in _torch_optimizers(state.optimizer) for g in opt.param_groups]
+    return {"losses": losses, "adam_groups_fused": fused}
+
+
 def main() -> None:
     results = {
         "attention": attention_checks(),
         "experts": experts_timing(),
         "dense_model": dense_model_checks(),
         "moe_experts": moe_expert_checks(),
+        "train_step": train_step_checks(),
     }
     parallel.shutdown()
     print(json.dumps(results))

@@ -9,6 +9,8 @@ Absolute ceilings back this up: 2e-2 for attention (softmax of bf16 scores) and 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 pytestmark = pytest.mark.gpu
@@ -51,3 +53,9 @@ def test_grouped_experts_module_matches_sequential_mlp(results):
 def test_dense_model_with_fast_kernels_matches_the_reference_kernels(results):
     r = results["dense_model"]
     assert r["fast_err"] <= NO_WORSE * r["reference_bf16_err"] + SLACK, r
+
+
+def test_train_step_uses_torchs_fused_adam(results):
+    r = results["train_step"]
+    assert r["adam_groups_fused"] and all(r["adam_groups_fused"]), r
+    assert all(math.isfinite(x) for x in r["losses"]) and r["losses"][1] < r["losses"][0], r

@@ -255,12 +255,13 @@ _CHILD = textwrap.dedent(
 
 
 @pytest.fixture(scope="module")
-def model_level() -> dict:
+def model_level() -> dict:  # ~15 s: megatron's import and three small models in a child process
     proc = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_grouped_experts_keep_sequential_mlp_parameters_and_results(model_level):
     assert "GroupedExperts" in model_level["kinds"]["loop"], model_level["kinds"]
     assert "SequentialMLP" in model_level["kinds"]["sequential"], model_level["kinds"]
@@ -270,5 +271,100 @@ def test_grouped_experts_keep_sequential_mlp_parameters_and_results(model_level)
     assert model_level["grouped"] <= 1e-5, model_level
 
 
+@pytest.mark.slow
 def test_model_with_flash_path_equals_model_with_sdpa_path(model_level):
     assert model_level["flash"] <= 1e-5, model_level
+
+
+def test_foreach_optimizer_helpers_compute_what_megatrons_fallbacks_compute():
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    from tidal.trainer import fused_optim
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(n, generator=gen) for n in (5, 300, 1, 64)]
+    norm, _ = fused_optim.foreach_l2_norm(0, None, [tensors], False)
+    expected = torch.norm(torch.tensor([torch.norm(t).item() for t in tensors]))  # megatron's local formula
+    torch.testing.assert_close(norm, expected.reshape(1), rtol=1e-6, atol=0)
+
+    dst = [torch.empty_like(t) for t in tensors]
+    fused_optim.foreach_scale(0, None, [tensors, dst], 0.25)
+    assert all(torch.equal(d, t * 0.25) for d, t in zip(dst, tensors, strict=True))
+    fused_optim.foreach_scale(0, None, [dst, dst], 4.0)
+    assert all(torch.equal(d, t) for d, t in zip(dst, tensors, strict=True))
+
+    original = clip_grads.l2_norm_impl
+    try:
+        assert fused_optim.install(True)  # no Apex / TE here: megatron runs on its local fallbacks
+        assert clip_grads.l2_norm_impl is fused_optim.foreach_l2_norm
+        fused_optim.install(False)
+        assert clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm
+    finally:
+        clip_grads.l2_norm_impl = original
+
+
+def test_fused_adam_is_left_alone_off_cuda():
+    from tidal.trainer import fused_optim
+
+    class _Megatron:  # megatron's optimizer wrapper holds the torch optimizer as .optimizer
+        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))])
+
+    assert fused_optim.use_fused_adam(_Megatron()) == 0
+    assert not _Megatron.optimizer.param_groups[0]["fused"]
+
+
+_TP_CHILD = textwrap.dedent(
+    """
+    import json, sys, torch, torch.distributed as dist
+    from tidal.trainer.fused_logprobs import vocab_parallel_logprobs
+
+    rank, port = int(sys.argv[1]), sys.argv[2]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 24, generator=gen) * 4
+    labels = torch.randint(0, 24, (7,), generator=gen)
+    w_lp, w_h = torch.randn(7, generator=gen), torch.randn(7, generator=gen)
+    shard = logits[:, 12 * rank : 12 * (rank + 1)].clone().requires_grad_()
+    lp, ent = vocab_parallel_logprobs(shard, labels, with_entropy=True, temperature=0.8, chunk_tokens=3,
+                                      group=dist.group.WORLD, vocab_start=12 * rank)
+    (grad,) = torch.autograd.grad((lp * w_lp + ent * w_h).sum(), shard)
+    full = logits.clone().requires_grad_()
+    logp = torch.log_softmax(full / 0.8, -1)
+    ref_lp = logp.gather(-1, labels[:, None]).squeeze(-1)
+    ref_ent = -(logp.exp() * logp).sum(-1)
+    (ref_grad,) = torch.autograd.grad((ref_lp * w_lp + ref_ent * w_h).sum(), full)
+    ref_grad = ref_grad[:, 12 * rank : 12 * (rank + 1)]
+    print(json.dumps({"lp": (lp - ref_lp).abs().max().item(), "ent": (ent - ref_ent).abs().max().item(),
+                      "grad": (grad - ref_grad).abs().max().item()}))
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.slow
+def test_fused_logprobs_over_a_tensor_parallel_vocabulary_match_the_whole_vocabulary():
+    """Two gloo processes, each holding half the vocabulary (what TP=2 gives the loss)."""
+    from tidal.procs import free_port
+
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _TP_CHILD, str(rank), port],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+        errors = json.loads(out.strip().splitlines()[-1])
+        assert errors["lp"] <= 1e-5 and errors["ent"] <= 1e-5 and errors["grad"] <= 1e-6, errors
