@@ -108,6 +108,11 @@ class BrokerState:
         self.counters = Counters()
         self.histogram: Counter[int] = Counter()
         self._recent: deque[tuple[float, int, int]] = deque()  # (time, samples, bytes) of accepted groups
+        # Staleness only grows with the version: buffered groups are checked again only when it changed,
+        # others once (every get_batch used to walk the whole buffer).
+        self._scanned_version: int | None = None
+        self._unscanned: list[str] = []
+        self._compact_checked_at = 0  # journal size when maybe_compact last summed the live bytes
 
     # ---------------------------------------------------------------- journal
     def _log(self, kind: Kind, payload: bytes | memoryview) -> None:
@@ -320,6 +325,7 @@ class BrokerState:
 
     def _accept(self, s: StoredGroup, now: float | None) -> None:
         self.buffer[s.info.group_id] = s
+        self._unscanned.append(s.info.group_id)
         self.accepted_live += 1
         c = self.counters
         c.accepted_groups += 1
@@ -373,7 +379,13 @@ class BrokerState:
         return batch
 
     def _drop_stale(self) -> None:
-        for gid, s in list(self.buffer.items()):
+        if self.version != self._scanned_version:
+            candidates = list(self.buffer.items())
+            self._scanned_version = self.version
+        else:
+            candidates = [(g, self.buffer[g]) for g in self._unscanned if g in self.buffer]
+        self._unscanned = []
+        for gid, s in candidates:
             if st.too_stale(self.version, s.info.min_version, self.cfg.max_staleness):
                 self._log(Kind.DROP, _pack({"id": gid, "reason": "stale"}))
                 del self.buffer[gid]
@@ -433,9 +445,17 @@ class BrokerState:
         # and outweighs the live part enough that rewriting the live groups stays a small share of the I/O.
         if j is None or j.compacting:
             return False
+        jc = self.cfg.journal
+        # The dead bytes are at most the journal's size; and summing the live ones walks every held group,
+        # so it is done once per 1/16 of the threshold written at most (or at once after a compaction).
+        if (
+            j.bytes_written < jc.compact_every_bytes
+            or 0 <= j.bytes_written - self._compact_checked_at < jc.compact_every_bytes // 16
+        ):
+            return False
+        self._compact_checked_at = j.bytes_written
         live = self.live_bytes()
         dead = j.bytes_written - live
-        jc = self.cfg.journal
         if dead < jc.compact_every_bytes or dead < jc.compact_dead_per_live * live:
             return False
         offsets = j.compact(self._snapshot_records())
