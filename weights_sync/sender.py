@@ -496,22 +496,38 @@ def _segments(
             and t.is_contiguous()
             and last[-1][1].is_contiguous()
             and receiver.byte_span([last[-1][1], t]) is not None
-        ):
+        ) or (last is not None and _same_grouped(last[-1][1], t)):
             last.append((name, t))
         else:
             adjacent.append([(name, t)])
     runs: list[tuple[torch.Tensor | None, list[tuple[str, bucket.Packable]]]] = []
+    closed = -1  # a packed run that is a segment of its own (nothing joins it)
     for run in adjacent:
         span = None
         if all(isinstance(t, torch.Tensor) and t.is_contiguous() for _, t in run):
             span = receiver.byte_span([t for _, t in run])
-        if span is not None and span.numel() >= own_bytes:
+        big = sum(_nbytes(t) for _, t in run) >= own_bytes
+        if span is not None and big:
             runs.append((span, run))
-        elif runs and runs[-1][0] is None:
+        elif isinstance(run[0][1], bucket.GroupedRows) and big:
+            # q/k/v of one fused QKV: packed (their rows interleave), but a segment of their own, which the
+            # engine can receive straight into its own fused matrix
+            runs.append((None, list(run)))
+            closed = len(runs) - 1
+        elif runs and runs[-1][0] is None and closed != len(runs) - 1:
             runs[-1][1].extend(run)
         else:
             runs.append((None, list(run)))
     return runs
+
+
+def _same_grouped(a: bucket.Packable, b: bucket.Packable) -> bool:
+    """Rows of one fused tensor (q, k and v of megatron's QKV)."""
+    return (
+        isinstance(a, bucket.GroupedRows)
+        and isinstance(b, bucket.GroupedRows)
+        and a.grouped.untyped_storage().data_ptr() == b.grouped.untyped_storage().data_ptr()
+    )
 
 
 def _failed(future: Future, timeout_s: float) -> bool:
