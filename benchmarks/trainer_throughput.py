@@ -13,7 +13,7 @@ model FLOPs utilisation: 6 * active parameters * tokens + causal attention, over
     python benchmarks/trainer_throughput.py --device cuda --size dense-1b --batch 2 --seq-len 4096 \
         --profile runs/bench/profile      # + the top-30 kernels of each implementation (text and JSON)
 
-``--attention``, ``--experts`` and ``--logprobs`` set ``trainer.kernels`` (docs/trainer.md, "Kernels") to
+``--attention``, ``--experts``, ``--logprobs``, ``--adam`` and ``--multi-tensor`` set ``trainer.kernels`` (docs/trainer.md, "Kernels") to
 compare each fast path with its reference; ``--impls tidal`` skips the baseline.
 """
 
@@ -109,6 +109,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--experts", choices=EXPERT_KERNELS, default="auto", help="trainer.kernels.experts")
     p.add_argument(
         "--logprobs", choices=("auto", "fused", "reference"), default="auto", help="trainer.kernels.logprobs"
+    )
+    p.add_argument(
+        "--adam", choices=("auto", "fused", "foreach"), default="auto", help="trainer.kernels.adam"
+    )
+    p.add_argument(
+        "--multi-tensor",
+        choices=("foreach", "megatron"),
+        default="foreach",
+        help="trainer.kernels.multi_tensor",
     )
     p.add_argument(
         "--profile",
@@ -233,7 +242,13 @@ def setup_transformers(m: ModelConfig, args, tokens: torch.Tensor):
 def kernel_config(args):
     from tidal.trainer.config import KernelConfig
 
-    return KernelConfig(attention=args.attention, experts=args.experts, logprobs=args.logprobs)
+    return KernelConfig(
+        attention=args.attention,
+        experts=args.experts,
+        logprobs=args.logprobs,
+        adam=args.adam,
+        multi_tensor=args.multi_tensor,
+    )
 
 
 # kernel name patterns -> a coarse category, for the profile summary (first match wins)
