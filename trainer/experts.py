@@ -35,7 +35,7 @@ def grouped_mm_unsupported(x: torch.Tensor, *weights: torch.Tensor) -> str | Non
         return "the grouped GEMM kernel needs compute capability 9.0 or newer"
     if not hasattr(torch, "_grouped_mm"):
         return f"torch {torch.__version__} has no torch._grouped_mm"
-    dims = {x.shape[-1], *(d for w in weights for d in w.shape)}
+    dims = {x.shape[-1], *(d for w in weights for d in w.shape[1:])}  # the expert count needs no alignment
     if any(d % 8 for d in dims):
         return f"matrix dimensions {sorted(dims)} are not all multiples of 8 (16-byte rows in bf16)"
     return None
