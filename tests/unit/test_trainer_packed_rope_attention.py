@@ -72,3 +72,19 @@ def test_length_bucketed_packed_attention_equals_one_sdpa_call_per_sequence():
     ref_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
     for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("rot_dim", [8, 4])  # whole head, and a partial rotary with a pass-through part
+def test_cached_cos_sin_follow_the_batch_and_equal_megatrons_rotation(rot_dim):
+    torch.manual_seed(1)
+    config = _config()
+    apply = make_apply_rotary_pos_emb(original=None)
+    freqs = torch.randn(64, 1, 1, rot_dim)
+    group = _Group(1, 0)
+    first = torch.tensor([0, 4, 12, 16], dtype=torch.int32)
+    second = torch.tensor([0, 10, 16], dtype=torch.int32)  # another batch: other positions, same table
+    for cu in (first, first, second, first.clone()):
+        for heads in (3, 1):  # queries and keys of one layer share the cached cos/sin
+            t = torch.randn(16, heads, 8)
+            expected = _apply_rotary_pos_emb_thd(t, cu, freqs, cp_group=group)
+            assert torch.equal(apply(t, freqs, config, cu_seqlens=cu, cp_group=group), expected)
