@@ -319,7 +319,7 @@ class WeightSender:
                     n = sum(_nbytes(t) for _, t in run)
                     payload.append(bucket.pack(run, out=staging[offset : offset + n])[0])
                     offset += n
-                spec = _spec(items)
+                spec = _spec([item for _, run in runs for item in run])  # the broadcasts' order
                 crc = _checksum(payload) if self.config.verify_checksums else None
                 # announced whenever a tensor goes on its own: the engine may then receive it in place
                 counts = [len(run) for _, run in runs] if any(own is not None for own, _ in runs) else None
@@ -481,9 +481,10 @@ def _spec(items: list[tuple[str, bucket.Packable]]) -> bucket.BucketSpec:
 def _segments(
     items: list[tuple[str, bucket.Packable]], own_bytes: int | None
 ) -> list[tuple[torch.Tensor | None, list[tuple[str, bucket.Packable]]]]:
-    """The bucket's broadcasts, in order: (bytes, run) for contiguous tensors lying back to back in one
-    storage (gate and up from megatron's fused fc1) of at least ``own_bytes`` together, sent from their
-    own memory; (None, run) for consecutive tensors packed into the staging buffer."""
+    """The bucket's broadcasts, in order: (None, run) for the small tensors, packed into the staging
+    buffer, first; then (bytes, run) for contiguous tensors lying back to back in one storage (gate and
+    up from megatron's fused fc1) of at least ``own_bytes`` together, sent from their own memory, and
+    (None, run) for q/k/v of one fused QKV, packed. The announcement lists the tensors in this order."""
     if own_bytes is None:
         return [(None, items)]
     adjacent: list[list[tuple[str, bucket.Packable]]] = []  # runs of back-to-back tensors, or one packable
@@ -500,8 +501,8 @@ def _segments(
             last.append((name, t))
         else:
             adjacent.append([(name, t)])
+    loose: list[tuple[str, bucket.Packable]] = []  # small tensors: one packed broadcast, first
     runs: list[tuple[torch.Tensor | None, list[tuple[str, bucket.Packable]]]] = []
-    closed = -1  # a packed run that is a segment of its own (nothing joins it)
     for run in adjacent:
         span = None
         if all(isinstance(t, torch.Tensor) and t.is_contiguous() for _, t in run):
@@ -512,13 +513,11 @@ def _segments(
         elif isinstance(run[0][1], bucket.GroupedRows) and big:
             # q/k/v of one fused QKV: packed (their rows interleave), but a segment of their own, which the
             # engine can receive straight into its own fused matrix
-            runs.append((None, list(run)))
-            closed = len(runs) - 1
-        elif runs and runs[-1][0] is None and closed != len(runs) - 1:
-            runs[-1][1].extend(run)
+            runs.append((None, run))
         else:
-            runs.append((None, list(run)))
-    return runs
+            loose.extend(run)
+    # the bucket's order is free: gathering the small tensors saves broadcasts (each costs thread hand-offs)
+    return ([(None, loose)] if loose else []) + runs
 
 
 def _same_grouped(a: bucket.Packable, b: bucket.Packable) -> bool:
