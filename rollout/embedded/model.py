@@ -31,6 +31,7 @@ def build_model(model: ModelConfig, *, seed: int, device: str, dtype: str, fuse:
     """
     from transformers import AutoModelForCausalLM
 
+    check_servable(model)
     register_attention()
     torch_dtype = DTYPES[dtype]
     if model.path:
@@ -47,6 +48,7 @@ def build_model(model: ModelConfig, *, seed: int, device: str, dtype: str, fuse:
             torch.manual_seed(seed)
             lm = AutoModelForCausalLM.from_config(hf_config, dtype=torch_dtype)
     lm = lm.to(device).eval().requires_grad_(False)
+    use_slot_state(lm)  # Qwen3.5's Gated DeltaNet layers keep their recurrent state per slot
     if fuse:
         fuse_projections(lm)  # after .to(): the fused matrices are plain tensors that .to() would not move
     return lm
@@ -100,3 +102,125 @@ class NamedTensorLoader:
         self.check(named)
         for name, tensor in named:
             self.resolve(name).copy_(tensor)
+
+
+# ---------------------------------------------------------------- families with more than a KV cache
+
+# families whose layers need state the engine's slot cache does not hold, and why
+UNSERVED: dict[str, str] = {
+    "glm_moe_dsa": (
+        "the embedded engine cannot serve model.family=glm_moe_dsa: its DeepSeek sparse attention keeps an "
+        "indexer key cache (transformers' cache.update_indexer) and masks attention to the indexer's top-k, "
+        "which the engine's slot KV cache and paged attention do not do; serve it with SGLang "
+        "(rollout.engine.type=sglang)"
+    ),
+    "deepseek_v4": (
+        "the embedded engine cannot serve model.family=deepseek_v4 (hyper-connections, compressed sparse "
+        "attention); serve it with SGLang (rollout.engine.type=sglang)"
+    ),
+}
+
+
+def check_servable(model: ModelConfig) -> None:
+    if model.family in UNSERVED:
+        raise ValueError(UNSERVED[model.family])
+
+
+class SlotStateGatedDeltaNet:
+    """Qwen3.5's Gated DeltaNet with its recurrent state kept per engine slot.
+
+    transformers' module reads its convolution and recurrent state from a ``DynamicCache``; the engine
+    passes its slot KV cache (``StepCache``), which only stores keys and values. This forward keeps the
+    module's weights and arithmetic (transformers' torch conv and gated delta rule, or fla's through
+    transformers' kernel hooks) and stores the state in the engine's ``KVPool`` under the layer's index:
+    the convolution window as ``keys[layer]`` ``[slots, conv_dim, 1, kernel - 1]`` and the recurrent state
+    as ``values[layer]`` ``[slots, heads, 1, k_dim * v_dim]``. With the sequence axis of length 1, the pool's
+    slot moves (``buf[dst, :, :n] = buf[src, :, :n]``) carry the whole state. A row whose cached length is 0
+    starts from zero state (prefill).
+
+    Mixed into the module's own class (:func:`use_slot_state`), so parameter names do not change; outside
+    the engine (no ``tidal_step``) the module runs transformers' forward.
+    """
+
+    def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
+        step = kwargs.get("tidal_step")
+        if step is None or cache is None or not hasattr(cache, "pool"):
+            return super().forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+        gdn = self
+        conv_buf, state_buf = self._slot_state(cache.pool, hidden_states)
+        out = torch.zeros_like(hidden_states)
+        for row, (slot, start, n) in enumerate(zip(step.slots, step.starts, step.new_lens, strict=True)):
+            if start == 0:
+                conv_buf[slot].zero_()
+                state_buf[slot].zero_()
+            out[row, :n] = self._run(gdn, hidden_states[row, :n], conv_buf, state_buf, slot)
+        return out
+
+    def _slot_state(self, pool, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gdn, layer = self, self.layer_idx
+        conv = pool.keys[layer]
+        if conv is None or conv.dtype != hidden_states.dtype:
+            width = gdn.conv_kernel_size - 1
+            pool.keys[layer] = torch.zeros(
+                pool.num_slots, gdn.conv_dim, 1, width, dtype=hidden_states.dtype, device=pool.device
+            )
+            pool.values[layer] = torch.zeros(
+                pool.num_slots,
+                gdn.num_v_heads,
+                1,
+                gdn.head_k_dim * gdn.head_v_dim,
+                dtype=torch.float32,
+                device=pool.device,
+            )
+        return pool.keys[layer], pool.values[layer]
+
+    @staticmethod
+    def _run(gdn, x: torch.Tensor, conv_buf, state_buf, slot: int) -> torch.Tensor:
+        """``x`` [n, hidden] of one row, continuing the slot's state; returns [n, hidden] and updates it."""
+        import torch.nn.functional as F
+        from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen
+
+        n = x.shape[0]
+        mixed = gdn.in_proj_qkv(x).T  # [conv_dim, n]
+        window = torch.cat([conv_buf[slot, :, 0], mixed], dim=1)  # [conv_dim, kernel - 1 + n]
+        conv_buf[slot, :, 0] = window[:, -(gdn.conv_kernel_size - 1) :]
+        weight = gdn.conv1d.weight  # [conv_dim, 1, kernel]
+        mixed = F.silu(F.conv1d(window[None], weight, gdn.conv1d.bias, groups=gdn.conv_dim))[
+            0
+        ].T  # [n, conv_dim]
+        query, key, value = torch.split(mixed, [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
+        query = query.reshape(1, n, -1, gdn.head_k_dim)
+        key = key.reshape(1, n, -1, gdn.head_k_dim)
+        value = value.reshape(1, n, -1, gdn.head_v_dim)
+        beta = gdn.in_proj_b(x)[None].sigmoid()
+        g = -gdn.A_log.float().exp() * F.softplus(gdn.in_proj_a(x)[None].float() + gdn.dt_bias)
+        state = state_buf[slot, :, 0].reshape(1, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim)
+        rule = qwen.torch_recurrent_gated_delta_rule if n == 1 else qwen.torch_chunk_gated_delta_rule
+        core, state = rule(
+            query,
+            key,
+            value,
+            g=g,
+            beta=beta,
+            initial_state=state,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
+        state_buf[slot, :, 0] = state[0].reshape(gdn.num_v_heads, -1).float()
+        z = gdn.in_proj_z(x).reshape(-1, gdn.head_v_dim)
+        core = gdn.norm(core.reshape(-1, gdn.head_v_dim), z).reshape(n, -1)
+        return gdn.out_proj(core)
+
+
+def use_slot_state(lm: torch.nn.Module) -> int:
+    """Give every Qwen3.5 Gated DeltaNet of ``lm`` per-slot state (see :class:`SlotStateGatedDeltaNet`)."""
+    swapped = 0
+    for layer in getattr(getattr(lm, "model", None), "layers", []):
+        gdn = getattr(layer, "linear_attn", None)
+        if gdn is not None and type(gdn).__name__.endswith("GatedDeltaNet"):
+            if not isinstance(gdn, SlotStateGatedDeltaNet):
+                gdn.__class__ = type(
+                    f"SlotState{type(gdn).__name__}", (SlotStateGatedDeltaNet, type(gdn)), {}
+                )
+            swapped += 1
+    return swapped
