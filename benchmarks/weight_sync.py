@@ -17,9 +17,16 @@ or conversion. Each method runs ``--repeats`` times, interleaved; the table show
 Engines are ``tidal.weights_sync.receiver_server`` (the routes without a model, ``load`` is a copy into
 a dict of tensors) or, with ``--engine serve``, real ``tidal serve`` engines started per size with the
 same Qwen3 architecture (``load`` is the engine's: checks, a hand-off to its scheduler thread, copies into
-the model's parameters); ``--backend nccl --device cuda`` runs the same on GPUs.
+the model's parameters); ``--backend nccl --device cuda`` runs the same on GPUs. ``load`` counts only
+what was not received in place (``in_place_bytes`` in the JSON: tensors sent on broadcasts of their own).
 
-    .venv/bin/python benchmarks/weight_sync.py --engine serve --sizes-mb 100 500 2000 --repeats 3
+``--variants`` compares sender settings in one run, interleaved, each paired with its own raw broadcast:
+``default`` (as configured), ``packed`` (no tensor on a broadcast of its own: every byte packed by the
+sender and copied by the engine's load), ``serial`` (packed, one bucket at a time: what SGLang gets), or
+``key=value`` settings (``own=MIB,bucket=MIB,first=MIB,inflight=N``).
+
+    .venv/bin/python benchmarks/weight_sync.py --engine serve --sizes-mb 100 500 2000 --repeats 5 \
+        --variants default packed serial --out runs/bench/weight_sync_serve.json
 """
 
 from __future__ import annotations
