@@ -291,6 +291,15 @@ class PackedCoreAttention(MegatronModule):
             )
         scale = self._scale(query.shape[-1])
         dropout = self.dropout if self.training else 0.0
+        if lengths and lengths[0] > 0 and lengths.count(lengths[0]) == len(lengths):
+            # equal lengths (fixed-length batches): the packed tensors are already [n, L, ...], no gathers
+            n, length = len(lengths), lengths[0]
+            q, k, v = (x.unflatten(0, (n, length)).transpose(1, 2) for x in (query, key, value))
+            k, v = self._expand_groups(q, k, v, head_dim=1)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=dropout, scale=scale
+            )
+            return out.transpose(1, 2).reshape(query.shape[0], -1)
         starts = cu[:-1].to(torch.long)
         by_length: dict[int, list[int]] = {}
         for i, length in enumerate(lengths):

@@ -88,3 +88,32 @@ def test_cached_cos_sin_follow_the_batch_and_equal_megatrons_rotation(rot_dim):
             t = torch.randn(16, heads, 8)
             expected = _apply_rotary_pos_emb_thd(t, cu, freqs, cp_group=group)
             assert torch.equal(apply(t, freqs, config, cu_seqlens=cu, cp_group=group), expected)
+
+
+def test_equal_length_packed_attention_equals_one_sdpa_call_per_sequence():
+    """Fixed-length batches take the no-gather path (the packed tensors viewed as [n, L, ...])."""
+    torch.manual_seed(2)
+    attn = PackedCoreAttention(_config(), 1, AttnMaskType.causal, "self").eval()
+    cu = torch.tensor([0, 6, 12, 18])
+    q = torch.randn(18, 4, 8, requires_grad=True)
+    k = torch.randn(18, 2, 8, requires_grad=True)
+    v = torch.randn(18, 2, 8, requires_grad=True)
+    got = attn._per_sequence(q, k, v, cu)
+    expected = torch.cat(
+        [
+            torch.nn.functional.scaled_dot_product_attention(
+                qs.transpose(0, 1),
+                ks.repeat_interleave(2, dim=1).transpose(0, 1),
+                vs.repeat_interleave(2, dim=1).transpose(0, 1),
+                is_causal=True,
+            )
+            .transpose(0, 1)
+            .reshape(6, -1)
+            for qs, ks, vs in zip(q.split(6), k.split(6), v.split(6), strict=True)
+        ]
+    )
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, rtol=0, atol=1e-5)
