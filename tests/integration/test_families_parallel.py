@@ -36,7 +36,7 @@ CASES = {
     "glm_5_1_all_selected": ("glm_5_1", {"index_topk": 32}, ("preset", "dp4")),
 }
 EQUIVALENT = ("kimi_k2_6", "glm_5_1_all_selected")
-STEPS = 3
+STEPS = 2
 RTOL = 1e-4
 
 

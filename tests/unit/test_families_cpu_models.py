@@ -144,7 +144,11 @@ _CHILD = textwrap.dedent(
         parallel.shutdown()
         return result
 
-    print(json.dumps({preset: check(preset) for preset in sys.argv[2:]}))
+    results = {preset: check(preset) for preset in sys.argv[2:]}
+    with open(f"{ROOT}/configs/tiny/deepseek_v4_flash.yaml") as f:
+        v4 = ModelConfig(**yaml.safe_load(f)["model"])
+    results["deepseek_v4_refusal"] = refusal(v4, MeshConfig(), True)
+    print(json.dumps(results))
     """
 )
 
@@ -204,3 +208,9 @@ def test_glm5_has_the_dsa_indexer_in_every_layer_and_trains_on_cpu(results):
     assert "decoder.layers.1.mlp.router.expert_bias" not in names  # a buffer, not a parameter
     assert result["train_refusal"] is None
     assert "Transformer Engine" in result["tp2_refusal"]
+
+
+def test_deepseek_v4_training_is_refused_naming_what_is_missing(results):
+    message = results["deepseek_v4_refusal"]
+    assert message is not None and message.startswith("model.family=deepseek_v4 cannot be trained")
+    assert "hyper-connections" in message and "compressed sparse attention" in message
