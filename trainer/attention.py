@@ -222,9 +222,42 @@ class PackedCoreAttention(MegatronModule):
             )
             s, b = query.shape[0], query.shape[1]
             return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+        equal = self._equal_length_count(query, packed_seq_params)
+        if self.kernel == "auto" and equal is not None and query.is_cuda:
+            # fixed-length batches: one batched SDPA call (torch picks cuDNN or flash; cuDNN's backward
+            # measured ~1.5x flash's on the H200), found without a host sync
+            return self._batched_sdpa(query, key, value, equal)
         if self._use_flash(query, key, value):
             return self._forward_flash_thd(query, key, value, packed_seq_params)
         return self._forward_thd(query, key, value, packed_seq_params)
+
+    def _equal_length_count(self, query, params: PackedSeqParams) -> int | None:
+        """The number of packed sequences when all have the same length (no context parallel), else None.
+
+        Decided from shapes and ``max_seqlen`` alone: n sequences of at most L tokens fill n * L rows only
+        when every one has L."""
+        if self.cp_group is not None and dist.get_world_size(self.cp_group) > 1:
+            return None
+        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        longest, count = params.max_seqlen_q, cu.numel() - 1
+        if not longest or count < 1 or count * int(longest) != query.shape[0]:
+            return None
+        return count
+
+    def _batched_sdpa(self, query, key, value, count: int) -> torch.Tensor:
+        """Causal SDPA of ``count`` equal-length packed sequences, viewed as ``[count, L, ...]`` (no gathers)."""
+        length = query.shape[0] // count
+        q, k, v = (x.unflatten(0, (count, length)).transpose(1, 2) for x in (query, key, value))
+        k, v = self._expand_groups(q, k, v, head_dim=1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            is_causal=True,
+            dropout_p=self.dropout if self.training else 0.0,
+            scale=self._scale(query.shape[-1]),
+        )
+        return out.transpose(1, 2).reshape(query.shape[0], -1)
 
     def _use_flash(self, query, key, value) -> bool:
         if self.kernel == "sdpa":
@@ -289,17 +322,10 @@ class PackedCoreAttention(MegatronModule):
             raise ValueError(
                 f"cu_seqlens cover {sum(lengths)} tokens but the packed batch has {query.shape[0]}"
             )
+        if lengths and lengths[0] > 0 and lengths.count(lengths[0]) == len(lengths):
+            return self._batched_sdpa(query, key, value, len(lengths))  # fixed-length batch: no gathers
         scale = self._scale(query.shape[-1])
         dropout = self.dropout if self.training else 0.0
-        if lengths and lengths[0] > 0 and lengths.count(lengths[0]) == len(lengths):
-            # equal lengths (fixed-length batches): the packed tensors are already [n, L, ...], no gathers
-            n, length = len(lengths), lengths[0]
-            q, k, v = (x.unflatten(0, (n, length)).transpose(1, 2) for x in (query, key, value))
-            k, v = self._expand_groups(q, k, v, head_dim=1)
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=True, dropout_p=dropout, scale=scale
-            )
-            return out.transpose(1, 2).reshape(query.shape[0], -1)
         starts = cu[:-1].to(torch.long)
         by_length: dict[int, list[int]] = {}
         for i, length in enumerate(lengths):

@@ -100,6 +100,30 @@ def attention_checks() -> dict:
         ),
     }
 
+    # fixed-length batches under kernel=auto: one batched SDPA call (cuDNN or flash, torch's choice)
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    fixed = [1024, 1024, 1024]
+    cu_fixed = torch.tensor([0, 1024, 2048, 3072], dtype=torch.int32, device=DEV)
+    qf, kf, vf = qkv(fixed, seed=3)
+    fixed_params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu_fixed, cu_seqlens_kv=cu_fixed, max_seqlen_q=1024, max_seqlen_kv=1024
+    )
+    wf = torch.randn(qf.shape[0], 16 * 128, device=DEV)
+    ref_f, ref_fg = grads_of(
+        lambda a, b, c: varlen_reference(a, b, c, cu_fixed, cu_fixed, 1024, 1024, scale).reshape(
+            a.shape[0], -1
+        ),
+        [x.float() for x in (qf, kf, vf)],
+        wf,
+    )
+    auto_f, auto_fg = grads_of(
+        lambda a, b, c: attn(a, b, c, None, packed_seq_params=fixed_params), [qf, kf, vf], wf
+    )
+    out["batched_sdpa_err"] = max(
+        [rel_err(auto_f, ref_f)] + [rel_err(g, r) for g, r in zip(auto_fg, ref_fg, strict=True)]
+    )
+
     # context parallel (cp=2): each rank's chunk problems through the real kernel (bottom-right causal)
     cp_err = 0.0
     cu_cpu = cu.cpu().long()
@@ -127,6 +151,7 @@ def attention_checks() -> dict:
 
     out["ms_fwd_bwd_2x4096"] = {
         "flash_varlen": timed(step(lambda: flash_varlen(qb, kb, vb, cu_big, cu_big, 4096, 4096, scale))),
+        "batched_sdpa": timed(step(lambda: attn._batched_sdpa(qb, kb, vb, 2).view(qb.shape))),
         "sdpa_per_length": timed(
             step(lambda: attn._per_sequence(qb, kb, vb, cu_big.cpu().long()).view(qb.shape))
         ),

@@ -32,6 +32,12 @@ def test_flash_varlen_attention_is_as_accurate_as_sdpa(results):
     assert r["flash_err"] <= CEILING, r
 
 
+def test_fixed_length_batches_through_batched_sdpa_are_as_accurate_as_sdpa(results):
+    r = results["attention"]
+    assert r["batched_sdpa_err"] <= NO_WORSE * r["sdpa_bf16_err"] + SLACK, r
+    assert r["batched_sdpa_err"] <= CEILING, r
+
+
 def test_flash_varlen_context_parallel_chunks_match_full_causal_attention(results):
     # the real kernel's bottom-right causal alignment is what makes each CP chunk see its sequence prefix
     assert results["attention"]["flash_cp_err"] <= CEILING, results["attention"]

@@ -368,3 +368,22 @@ def test_fused_logprobs_over_a_tensor_parallel_vocabulary_match_the_whole_vocabu
         assert p.returncode == 0, err[-3000:]
         errors = json.loads(out.strip().splitlines()[-1])
         assert errors["lp"] <= 1e-5 and errors["ent"] <= 1e-5 and errors["grad"] <= 1e-6, errors
+
+
+def test_equal_length_batches_are_recognised_from_shapes_alone():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    attn = PackedCoreAttention(_config(), 1, AttnMaskType.causal, "self")
+    q = torch.zeros(12, 4, 8)
+
+    def params(cu, longest):
+        cu = torch.tensor(cu, dtype=torch.int32)
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest)
+
+    assert attn._equal_length_count(q, params([0, 4, 8, 12], 4)) == 3
+    assert attn._equal_length_count(q, params([0, 3, 8, 12], 5)) is None
+    assert attn._equal_length_count(q, params([0, 4, 8, 12], None)) is None
+    lengths = [4, 4, 4]
+    q, k, v = _qkv(lengths)
+    got = attn.eval()._batched_sdpa(q, k, v, 3)
+    torch.testing.assert_close(got, attn._forward_thd(q, k, v, params([0, 4, 8, 12], 4)), rtol=0, atol=1e-6)
