@@ -24,6 +24,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -249,6 +250,7 @@ def run_broker(
         return elapsed, received, {"producers": producers, "broker": broker, "consumer": consumer}
     finally:
         stop(proc)
+        shutil.rmtree(run_dir, ignore_errors=True)  # its journal: GBs at 32K tokens
 
 
 def _thread_cpu_seconds(pid: int) -> dict[str, float]:
@@ -438,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
                     + (f"   CPU us/sample: {shown} (total {sum(cpu_us.values()):.1f})" if cpu_us else ""),
                     file=sys.stderr,
                 )
+    shutil.rmtree(workdir, ignore_errors=True)
     table = summarise(results, methods)
     print_table(table, methods)
     if args.out:
