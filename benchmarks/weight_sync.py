@@ -237,8 +237,10 @@ def run_size(sender: WeightSender, urls: list[str], target: int, model: ModelCon
     for config in configs.values():
         sender.config = config
         _checked(sender.sync(lambda: make(GatherTimes()), version=version))
-    for _ in range(args.repeats):
-        for v, config in configs.items():
+    order = list(configs.items())
+    for repeat in range(args.repeats):
+        # each round starts with another variant: the first sync of a round runs slower at small sizes
+        for v, config in order[repeat % len(order) :] + order[: repeat % len(order)]:
             sender.config = config
             version += 1
             full, raw, raw_cpu = runs[v]
