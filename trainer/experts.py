@@ -49,8 +49,8 @@ def grouped_linear(
     ``weights`` is ``[G, out, in]``; ``offsets`` the int32 cumulative row counts (group ends) on ``x``'s
     device; ``counts`` the same counts as Python ints (needed by the loop only).
     """
-    if use_kernel:
-        return torch._grouped_mm(x, weights.transpose(1, 2), offs=offsets)
+    if use_kernel:  # row-major activations with 16-byte rows; the weights' transpose is column-major
+        return torch._grouped_mm(x.contiguous(), weights.transpose(1, 2), offs=offsets)
     outs = [part @ w.t() for part, w in zip(x.split(counts), weights.unbind(0), strict=True)]
     return torch.cat(outs) if outs else x.new_zeros(0, weights.shape[1])
 
