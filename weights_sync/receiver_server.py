@@ -148,7 +148,8 @@ def build_app(timeout_s: float = 60.0) -> FastAPI:
                 checksum=body.get("checksum"),
                 seq=body.get("bucket_seq"),
                 segments=body.get("segments"),
-                target=lambda name, shape, dtype: weights.get(name),  # the kept tensor, as an engine's weight
+                # the kept tensor, as an engine's weight (as tidal serve: only for segmented buckets)
+                target=(lambda name, shape, dtype: weights.get(name)) if body.get("segments") else None,
             ) as tensors:
                 load(tensors)  # the next bucket is received into the other buffer meanwhile
         except Exception as exc:
