@@ -144,8 +144,14 @@ class SlotStateGatedDeltaNet:
 
     def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
         step = kwargs.get("tidal_step")
-        if step is None or cache is None or not hasattr(cache, "pool"):
-            return super().forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+        store = (
+            cache if cache is not None else kwargs.get("cache_params")
+        )  # transformers < 5.2x: cache_params
+        if step is None or not hasattr(store, "pool"):
+            if cache is not None:
+                kwargs["cache"] = cache
+            return super().forward(hidden_states, attention_mask=attention_mask, **kwargs)
+        cache = store
         gdn = self
         conv_buf, state_buf = self._slot_state(cache.pool, hidden_states)
         out = torch.zeros_like(hidden_states)
@@ -192,6 +198,9 @@ class SlotStateGatedDeltaNet:
         query = query.reshape(1, n, -1, gdn.head_k_dim)
         key = key.reshape(1, n, -1, gdn.head_k_dim)
         value = value.reshape(1, n, -1, gdn.head_v_dim)
+        if gdn.num_v_heads != gdn.num_k_heads:  # each q/k head serves consecutive value heads
+            query = query.repeat_interleave(gdn.num_v_heads // gdn.num_k_heads, dim=2)
+            key = key.repeat_interleave(gdn.num_v_heads // gdn.num_k_heads, dim=2)
         beta = gdn.in_proj_b(x)[None].sigmoid()
         g = -gdn.A_log.float().exp() * F.softplus(gdn.in_proj_a(x)[None].float() + gdn.dt_bias)
         state = state_buf[slot, :, 0].reshape(1, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim)
