@@ -380,6 +380,10 @@ class WeightSender:
                         announced = self._announce(group, spec, crc, version, segments)
                     if stream is not None:
                         stream.wait_event(packed)
+                        for part in payload:
+                            # a tensor sent from its own memory may be freed (a gathered temporary) while
+                            # this stream still reads it: the caching allocator must wait for the stream
+                            part.record_stream(stream)
                     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                         for part in payload:
                             self._broadcast(group, part, report)
