@@ -226,8 +226,11 @@ def prepare_micro_batches(chunks, micro_batches: list[MicroBatch]) -> list[Micro
         raise ValueError("train_step needs at least one micro-batch (plan with equal_counts=True)")
     tconfig = chunks[0].config
     device = next(chunks[0].parameters()).device
-    if tconfig.num_moe_experts and tconfig.moe_token_dispatcher_type == "allgather":
-        # megatron's allgather MoE dispatcher gathers tokens over tp x ep with equal sizes only
+    if tconfig.num_moe_experts and (
+        tconfig.moe_token_dispatcher_type == "allgather" or tconfig.expert_tensor_parallel_size > 1
+    ):
+        # megatron's allgather MoE dispatcher gathers tokens over tp x ep with equal sizes only, and both
+        # dispatchers all-gather over the expert-TP group, whose ranks may hold different DP shards
         micro_batches = equalize_lengths(micro_batches, device=device)
     if len(chunks) > 1:
         # the interleaved schedule sizes its receive buffers from seq_length, not per micro-batch
