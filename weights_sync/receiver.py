@@ -16,8 +16,9 @@ tensor, into fresh tensors); it takes its turn like a bucket.
 
 ``segments`` (tidal's ``bucket_segments`` extension) splits a bucket's bytes into consecutive
 broadcasts, so the sender sends large tensors straight from their memory instead of packing them; a
-one-tensor segment goes straight into the tensor ``target`` names (the engine's weight, when it may be
-written now) and is left out of what ``receive`` yields: neither side copies it.
+segment whose tensors' ``target``s (the engine's weights, when they may be written now) take them as
+they are and lie back to back (one tensor, or q/k/v and gate/up in a fused matrix) is received straight
+into them and left out of what ``receive`` yields: neither side copies it.
 
 ``stats`` counts what was received and how long receives and loads took (the stand-in's and the
 engine's ``/tidal/stats``).
@@ -40,7 +41,7 @@ from tidal.weights_sync import bucket, transport
 # ``bucket_segments``: a bucket may come as several broadcasts (``segments``: tensors per broadcast).
 DECLARED_EXTENSIONS = {"ordered_buckets": True, "bucket_segments": True}
 
-# ``target(name, shape, dtype)``: the engine's own tensor to receive a one-tensor segment into, or None
+# ``target(name, shape, dtype)``: the engine's own tensor that ``name`` is received into in place, or None
 Target = Callable[[str, list[int], torch.dtype], torch.Tensor | None]
 
 
