@@ -41,6 +41,7 @@ TWO_PROCESS_CASES = {
     "ep2_alltoall": ("qwen3_moe", "ep=2,dispatcher=alltoall,deterministic=1"),
     "ep2_allgather": ("qwen3_moe", "ep=2,dispatcher=allgather"),
     "tp2_sequence_parallel_moe": ("qwen3_moe", "tp=2"),
+    "etp2_moe": ("qwen3_moe", "etp=2"),
     "ep2_mla_deepseek": ("deepseek_v3", "ep=2"),
 }
 # fsdp2 case -> (family, mesh, the dist_opt case of the same mesh)
