@@ -165,7 +165,12 @@ def test_payload_of_sglangs_client_loads_bitwise(colocated_engine):
     import torch
     from torch.multiprocessing import reductions
 
-    sglang_dir = Path(importlib.util.find_spec("sglang").origin).parent
+    found = importlib.util.find_spec("sglang")
+    if found is None:
+        # the device image has no SGLang (too large to carry); tests/unit/test_colocated_ipc.py checks the
+        # same payload, built by SGLang's FlattenedTensorBucket, on CPU where SGLang's source is installed
+        pytest.skip("needs SGLang's source (pip install --no-deps sglang) for its FlattenedTensorBucket")
+    sglang_dir = Path(found.origin).parent
     names = ["sglang", "sglang.srt", "sglang.srt.utils", "sglang.srt.weight_sync"]
     added = [n for n in names if n not in sys.modules]
     for n in added:
