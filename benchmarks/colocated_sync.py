@@ -39,6 +39,7 @@ from tidal.weights_sync.config import WeightSyncConfig
 from tidal.weights_sync.engine_api import EngineEndpoint
 from tidal.weights_sync.families import mapping_for
 from tidal.weights_sync.gather import GatherTimes
+from tidal.weights_sync.tiny_models import megatron_shapes
 
 GOAL_S = 0.5  # issue 8: a ~8B bf16 colocated sync in at most half a second
 
@@ -54,29 +55,6 @@ def qwen3_8b(layers: int) -> ModelConfig:
         head_dim=128,
         intermediate_size=12288,
     )
-
-
-def megatron_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
-    h, hd = model.hidden_size, model.head_dim
-    qkv_rows = hd * (model.num_attention_heads + 2 * model.num_key_value_heads)
-    shapes = {
-        "embedding.word_embeddings.weight": (model.vocab_size, h),
-        "output_layer.weight": (model.vocab_size, h),
-        "decoder.final_layernorm.weight": (h,),
-    }
-    for i in range(model.num_hidden_layers):
-        p = f"decoder.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "self_attention.linear_qkv.weight": (qkv_rows, h),
-            p + "self_attention.q_layernorm.weight": (hd,),
-            p + "self_attention.k_layernorm.weight": (hd,),
-            p + "self_attention.linear_proj.weight": (h, hd * model.num_attention_heads),
-            p + "pre_mlp_layernorm.weight": (h,),
-            p + "mlp.linear_fc1.weight": (2 * model.intermediate_size, h),
-            p + "mlp.linear_fc2.weight": (h, model.intermediate_size),
-        }
-    return shapes
 
 
 def hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:

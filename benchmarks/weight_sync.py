@@ -50,6 +50,7 @@ from tidal.weights_sync.engine_api import EngineEndpoint
 from tidal.weights_sync.families import mapping_for
 from tidal.weights_sync.gather import GatherTimes
 from tidal.weights_sync.sender import WeightSender, raw_broadcast
+from tidal.weights_sync.tiny_models import megatron_shapes
 
 
 def model_for_bytes(target: int, dtype_bytes: int) -> ModelConfig:
@@ -81,25 +82,7 @@ def model_for_bytes(target: int, dtype_bytes: int) -> ModelConfig:
 def megatron_state(model: ModelConfig, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
     """Full megatron-core tensors of ``model`` (values are irrelevant to throughput: constant fill)."""
     mapping = mapping_for(model)
-    h, hd = model.hidden_size, model.head_dim
-    qkv_rows = hd * (model.num_attention_heads + 2 * model.num_key_value_heads)
-    shapes = {
-        "embedding.word_embeddings.weight": (model.vocab_size, h),
-        "output_layer.weight": (model.vocab_size, h),
-        "decoder.final_layernorm.weight": (h,),
-    }
-    for i in range(model.num_hidden_layers):
-        p = f"decoder.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "self_attention.linear_qkv.weight": (qkv_rows, h),
-            p + "self_attention.q_layernorm.weight": (hd,),
-            p + "self_attention.k_layernorm.weight": (hd,),
-            p + "self_attention.linear_proj.weight": (h, hd * model.num_attention_heads),
-            p + "pre_mlp_layernorm.weight": (h,),
-            p + "mlp.linear_fc1.weight": (2 * model.intermediate_size, h),
-            p + "mlp.linear_fc2.weight": (h, model.intermediate_size),
-        }
+    shapes = megatron_shapes(model)
     for name in shapes:
         mapping.rule_for(name)  # every benchmark tensor is one the mapping knows
     return {n: torch.full(s, 0.5, dtype=dtype, device=device) for n, s in shapes.items()}

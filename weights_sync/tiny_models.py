@@ -63,3 +63,27 @@ def save_random_hf(model: ModelConfig, directory: str | Path, seed: int = 0) -> 
                 b.normal_(0, 0.05)
     hf.save_pretrained(directory)
     return Path(directory)
+
+
+def megatron_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Full (unsharded) megatron-core tensor shapes of a dense qwen3 ``model`` (the benchmarks' stand-in state)."""
+    h, hd = model.hidden_size, model.head_dim
+    qkv_rows = hd * (model.num_attention_heads + 2 * model.num_key_value_heads)
+    shapes = {
+        "embedding.word_embeddings.weight": (model.vocab_size, h),
+        "output_layer.weight": (model.vocab_size, h),
+        "decoder.final_layernorm.weight": (h,),
+    }
+    for i in range(model.num_hidden_layers):
+        p = f"decoder.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "self_attention.linear_qkv.weight": (qkv_rows, h),
+            p + "self_attention.q_layernorm.weight": (hd,),
+            p + "self_attention.k_layernorm.weight": (hd,),
+            p + "self_attention.linear_proj.weight": (h, hd * model.num_attention_heads),
+            p + "pre_mlp_layernorm.weight": (h,),
+            p + "mlp.linear_fc1.weight": (2 * model.intermediate_size, h),
+            p + "mlp.linear_fc2.weight": (h, model.intermediate_size),
+        }
+    return shapes
