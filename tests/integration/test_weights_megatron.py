@@ -38,10 +38,6 @@ def build(directory, **mesh):
     mesh = MeshConfig(**mesh)
     parallel.init_parallel(mesh, model, seed=0)
     tconfig = models.transformer_config(model, mesh, training=False)  # export and forward only
-    if model.family == "deepseek_v3":
-        # DeepSeek-V3 routes with e_score_correction_bias; tidal's builder does not enable megatron's
-        # expert bias yet (reported to the lead), so these tests switch it on
-        tconfig.moe_router_enable_expert_bias = True
     chunks = models.build_model(model, tconfig, seed=1)
     hf = hf_io.load_tensors(directory)
     mapping = mapping_for(model)
