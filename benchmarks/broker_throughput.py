@@ -4,7 +4,9 @@ Each sample is ``tokens`` x (int32 id + float32 logprob + int32 version) plus ~2
 
 - ``zmq``: raw pyzmq PUSH/PULL, one msgpack frame per sample (the ceiling: no broker, no journal);
 - ``broker``: a ``tidal broker`` process (journal on, default fsync policy ``interval``); producers are
-  rollout-node clients (lease, then submit whole groups of ``--group-size`` samples), the consumer is the
+  rollout-node clients (a standing lease request the broker fills as groups are submitted, or with
+  ``--request-leases`` one ``lease`` call each; then submit whole groups of ``--group-size`` samples), the
+  consumer is the
   trainer client (``get_batch`` of ``--batch-groups`` groups, the broker's default, + ``report_consumed``);
   the staleness bound is set wide open so that transport is what is measured;
 - ``ray_deque``: verl's pattern, a Ray actor holding a deque, one ``put`` and one ``get`` call per sample;
@@ -138,6 +140,7 @@ def _broker_producer(
     per_lease: int,
     in_flight: int,
     wait_acks: bool,
+    request_leases: bool,
     go,
     cpu,
 ) -> None:
@@ -159,14 +162,39 @@ def _broker_producer(
         for ack in acks:
             await ack
 
+    async def streamed(client: AsyncBrokerClient, share: int) -> None:
+        # Leases pushed under the standing request, up to ``per_lease * in_flight`` groups in flight.
+        await client.stream_leases(credit=per_lease * in_flight, max_groups=per_lease)
+        submits = []
+        while share > 0:
+            lease = await client.next_lease(120)
+            if lease is None:
+                raise RuntimeError("no lease pushed within 120 s")
+            take = lease.groups[:share]
+            share -= len(take)
+            if len(take) < len(lease.groups):
+                await client.release(lease.lease_id, [pg.group_id for pg in lease.groups[len(take) :]])
+            groups = [_group(pg.group_id, arrays, group_size) for pg in take]
+            if wait_acks:  # the credit bounds how many wait at once
+                submits.append(asyncio.ensure_future(client.submit(lease.lease_id, groups)))
+            else:
+                submits.append(await client.submit_streamed(lease.lease_id, groups))
+        await asyncio.gather(*submits)
+        await client.stream_leases(0)
+        for lease in client.pushed_leases():
+            await client.release(lease.lease_id)
+
     async def main() -> None:
         client = AsyncBrokerClient(address, timeout_s=120)
         await client.register("rollout", "bench")
         go.wait()
         c0 = time.process_time()
-        # several submissions in flight per producer, as a node agent with several engines has
-        shares = [groups // in_flight + (i < groups % in_flight) for i in range(in_flight)]
-        await asyncio.gather(*(loop(client, share) for share in shares))
+        if request_leases:
+            # several submissions in flight per producer, as a node agent with several engines has
+            shares = [groups // in_flight + (i < groups % in_flight) for i in range(in_flight)]
+            await asyncio.gather(*(loop(client, share) for share in shares))
+        else:
+            await streamed(client, groups)
         await client.close()
         cpu.put(time.process_time() - c0)
 
@@ -184,6 +212,7 @@ def run_broker(
     batch_groups: int = BrokerConfig().batch_groups,
     wait_acks: bool = False,
     journal_reads: bool = True,
+    request_leases: bool = False,
 ) -> tuple[float, int, dict[str, float]]:
     groups_total = n // group_size
     per_producer = groups_total // PRODUCERS
@@ -204,7 +233,18 @@ def run_broker(
         procs = [
             mp.Process(
                 target=_broker_producer,
-                args=(address, tokens, per_producer, group_size, per_lease, in_flight, wait_acks, go, cpu),
+                args=(
+                    address,
+                    tokens,
+                    per_producer,
+                    group_size,
+                    per_lease,
+                    in_flight,
+                    wait_acks,
+                    request_leases,
+                    go,
+                    cpu,
+                ),
             )
             for _ in range(PRODUCERS)
         ]
@@ -368,6 +408,12 @@ def main(argv: list[str] | None = None) -> int:
         "instead of streaming within the client's window",
     )
     ap.add_argument(
+        "--request-leases",
+        action="store_true",
+        help="broker producers ask for each lease (request/reply) instead of standing a lease request "
+        "(stream_leases) that the broker fills as their groups are submitted",
+    )
+    ap.add_argument(
         "--no-journal-reads",
         action="store_true",
         help="the consumer gets group frames on the wire even on the broker's host (as a trainer on "
@@ -418,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
                         args.batch_groups,
                         args.wait_acks,
                         not args.no_journal_reads,
+                        args.request_leases,
                     )
                 elif method == "ray_deque":
                     elapsed, got = run_ray_deque(tokens, n), n // PRODUCERS * PRODUCERS

@@ -217,6 +217,9 @@ class AsyncBrokerClient:
         self.max_unacked_bytes = max_unacked_bytes
         self._unacked_bytes = 0
         self._window = asyncio.Condition()
+        self._stream: dict[str, Any] | None = None  # the standing lease request, sent again on re-register
+        self._pushed: asyncio.Queue[Lease | None] = asyncio.Queue()
+        self.leases_finished = False  # the broker pushed the end of the data
 
     async def _read_loop(self) -> None:
         while True:
@@ -224,6 +227,10 @@ class AsyncBrokerClient:
             try:
                 rid, type_, body = proto.decode_reply(frames[0].buffer)
             except Exception:
+                continue
+            if type_ == "lease":  # pushed under the standing request (stream_leases)
+                if body.get("node_id") == self.node_id:
+                    self._pushed.put_nowait(_lease(body))
                 continue
             if type_ == "ack":
                 for rid, result in self._submits.acked(body):
@@ -262,6 +269,8 @@ class AsyncBrokerClient:
     async def _register_once(self) -> None:
         self.node_id = (await self._call_once("register", self._registration))[0]["node_id"]
         self._generation += 1
+        if self._stream is not None:  # the new registration has no standing request yet
+            await self._call_once("stream_leases", self._stream)
 
     async def _call_once(
         self, type_: str, body: dict[str, Any], frames=(), timeout: float | None = None
@@ -309,6 +318,7 @@ class AsyncBrokerClient:
 
     async def register(self, role: str, name: str, meta: dict | None = None) -> str:
         self._registration = {"role": role, "name": name, "meta": meta or {}}
+        self._stream = None
         async with self._register_lock:
             await self._register_once()
         return self.node_id
@@ -318,6 +328,36 @@ class AsyncBrokerClient:
 
     async def lease(self, max_groups: int) -> Lease | None:
         return _lease((await self._call("lease", {"max_groups": max_groups}))[0])
+
+    async def stream_leases(self, credit: int, max_groups: int | None = None) -> None:
+        """Stand a lease request: the broker pushes leases (at most ``max_groups`` groups each, default
+        ``credit``) whenever fewer than ``credit`` of this node's groups are in flight; a submit, release or
+        expiry returns credit. Take them with :meth:`next_lease`. ``credit=0`` stops the pushes."""
+        body = {"credit": credit, "max_groups": max_groups}
+        await self._call("stream_leases", body)
+        self._stream = body if credit > 0 else None
+
+    async def next_lease(self, timeout: float | None = None) -> Lease | None:
+        """The next pushed lease; None on timeout or when the data is exhausted (``leases_finished``)."""
+        try:
+            async with asyncio.timeout(timeout):
+                lease = await self._pushed.get()
+        except TimeoutError:
+            return None
+        if lease is None:
+            self.leases_finished = True
+        return lease
+
+    def pushed_leases(self) -> list[Lease]:
+        """Leases pushed and not yet taken (to release them when stopping)."""
+        out = []
+        while not self._pushed.empty():
+            lease = self._pushed.get_nowait()
+            if lease is not None:
+                out.append(lease)
+            else:
+                self.leases_finished = True
+        return out
 
     async def submit(self, lease_id: str, groups: list[Group]) -> dict:
         """Submit whole groups; returns ``{"accepted": [ids], "filtered": [ids]}`` once they are journaled."""

@@ -6,6 +6,8 @@ A message is a ZeroMQ multipart message ``[envelope, attachment...]``. The envel
 type ``"ok"`` (body: the answer) or ``"error"`` (body: ``{"code", "message"}``), except that accepted
 submits get no reply of their own: the broker sends ``"ack"`` messages (body ``{"through", "filtered"}``)
 that acknowledge every submit of the connection up to the request id ``through`` once it is journaled.
+A node that stood a lease request (``stream_leases``) also gets ``"lease"`` messages pushed, carrying
+that request's ``id``.
 docs/protocol.md is the reference; this module is its executable form.
 """
 
@@ -28,6 +30,7 @@ REQUESTS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "register": {"role": str, "name": str},
     "heartbeat": {},
     "lease": {"max_groups": int},
+    "stream_leases": {"credit": int},
     "submit": {"lease_id": str, "groups": int},
     "release": {"lease_id": str},
     "leave": {},

@@ -141,6 +141,7 @@ class BrokerServer:
             self._kick()  # more may be waiting: come back after the loop's other callbacks
         finally:
             self._queue_acks()
+            self._push_leases(time.time())
             self._commit()
 
     def _commit(self) -> None:
@@ -168,6 +169,7 @@ class BrokerServer:
         while not stop.is_set():
             now = time.time()
             self.state.expire(now)
+            self._push_leases(now)
             self._serve_waiters(now)
             self._commit()
             self._kick()
@@ -278,6 +280,31 @@ class BrokerServer:
                 "finished": self.state.finished,
             },
         )
+
+    def _on_stream_leases(self, peer: bytes, req: proto.Request) -> None:
+        max_groups = req.body.get("max_groups")
+        if max_groups is not None and (not isinstance(max_groups, int) or isinstance(max_groups, bool)):
+            raise proto.ProtocolError(proto.BAD_FRAME, "stream_leases: max_groups must be an integer or nil")
+        node = self.state.node_for(peer, time.time())
+        self.state.stream_leases(node, req.body["credit"], max_groups, req.id)
+        self._ok(peer, req.id, {"credit": node.credit, "policy_version": self.state.version})
+
+    def _push_leases(self, now: float) -> None:
+        """Push leases to the nodes with a standing request, up to their credit (see stream_leases). Like a
+        lease reply, a push need not wait for its TAKE record: after a crash every old lease is unknown."""
+        if not self.state.streaming:
+            return
+        pushed = self.state.push_leases(now)
+        for node, lease in pushed:
+            body = {
+                "node_id": node.node_id,
+                "lease": lease_to_wire(lease) if lease else None,
+                "policy_version": self.state.version,
+                "finished": self.state.finished,
+            }
+            self.sock.send_multipart([node.peer, proto.encode_envelope("lease", node.stream_id, body)])
+        if pushed:
+            self._kick()  # a send after the socket read empty may have taken the edge of a new message
 
     def _on_submit(self, peer: bytes, req: proto.Request) -> None:
         now = time.time()

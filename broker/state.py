@@ -41,6 +41,12 @@ class Node:
     last_seen: float
     alive: bool = True
     leases: set[str] = field(default_factory=set)
+    # Standing lease request (``stream_leases``): groups the node wants in flight, at most
+    # ``stream_max`` per pushed lease; 0 = not streaming. ``told_finished``: the end of the data was pushed.
+    credit: int = 0
+    stream_max: int = 0
+    stream_id: int = 0
+    told_finished: bool = False
 
 
 @dataclass
@@ -98,6 +104,7 @@ class BrokerState:
         self.leases: dict[str, LeaseState] = {}
         self.nodes: dict[str, Node] = {}
         self.peers: dict[bytes, str] = {}
+        self.streaming: dict[str, None] = {}  # node ids with a standing lease request (ordered set)
         self.version = 0
         self.accepted_live = 0  # admission's "accepted": accepted and not dropped, since the run started
         self.buffer: dict[str, StoredGroup | None] = {}  # accepted, not yet in a batch (FIFO)
@@ -197,6 +204,7 @@ class BrokerState:
         node.alive = False
         self.peers.pop(node.peer, None)
         self.nodes.pop(node.node_id, None)
+        self.streaming.pop(node.node_id, None)
 
     # ------------------------------------------------------------------ leases
     @property
@@ -234,6 +242,43 @@ class BrokerState:
         self.leases[lease.lease_id] = lease
         node.leases.add(lease.lease_id)
         return Lease(lease.lease_id, lease.deadline, list(groups.values()))
+
+    def stream_leases(self, node: Node, credit: int, max_groups: int | None, rid: int) -> None:
+        """Set the node's standing request: keep ``credit`` groups in flight on its leases."""
+        if credit < 0:
+            raise ProtocolError(BAD_REQUEST, f"stream_leases: credit must be >= 0, got {credit}")
+        if max_groups is not None and max_groups < 1:
+            raise ProtocolError(
+                BAD_REQUEST, f"stream_leases: max_groups must be >= 1 or nil, got {max_groups}"
+            )
+        node.credit, node.stream_max, node.stream_id = credit, max_groups or credit, rid
+        node.told_finished = False
+        self.streaming[node.node_id] = None
+        if credit == 0:
+            self.streaming.pop(node.node_id, None)
+
+    def in_flight(self, node: Node) -> int:
+        return sum(len(self.leases[lease_id].pending) for lease_id in node.leases)
+
+    def push_leases(self, now: float) -> list[tuple[Node, Lease | None]]:
+        """Leases for the streaming nodes up to their credit (a submit, release or expiry returned some),
+        while admission allows; ``(node, None)`` once per node when the data is exhausted."""
+        out: list[tuple[Node, Lease | None]] = []
+        for node_id in self.streaming:
+            node = self.nodes.get(node_id)
+            if node is None or not node.alive:
+                continue
+            want = node.credit - self.in_flight(node)
+            while want > 0:
+                lease = self.lease(node, min(want, node.stream_max), now)
+                if lease is None:
+                    if self.finished and not node.told_finished:
+                        node.told_finished = True
+                        out.append((node, None))
+                    break
+                out.append((node, lease))
+                want -= len(lease.groups)
+        return out
 
     def _return_lease(self, lease_id: str, group_ids: list[str] | None = None) -> int:
         lease = self.leases[lease_id]
