@@ -216,8 +216,11 @@ class BrokerServer:
         unknown and its prompts are leased again, so a reply that outruns its record loses nothing."""
         message = [peer, proto.encode_envelope(type_, rid, body), *frames]
         journal = self.state.journal
-        if durable and journal is not None and journal.durable_seq < journal.appended_seq:
+        if durable and journal is not None:
             self._held.append((journal.appended_seq, message))
+            if journal.durable_seq >= journal.appended_seq:
+                # already durable, but never ahead of earlier held replies (acks stay cumulative in order)
+                self._release_held(journal.durable_seq)
         else:
             self.sock.send_multipart(message, copy=False)
 
