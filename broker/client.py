@@ -16,80 +16,16 @@ import logging
 import time
 from typing import Any
 
-import numpy as np
 import zmq
 import zmq.asyncio
 
 from tidal.broker import protocol as proto
+from tidal.broker.client_support import MAX_UNACKED_BYTES, _BufferPool, _LocalFrames, _Unacked
 from tidal.broker.codec import decode_group, encode_group, lease_from_wire
 from tidal.broker.curve import CurveClientKeys
-from tidal.broker.local_journal import JournalReader, JournalUnavailable, host_id
 from tidal.broker.types import Batch, Group, Lease
 
 log = logging.getLogger(__name__)
-
-# Encode buffers kept for reuse per client: freshly allocated memory costs a page fault per 4 KiB, which
-# was the largest part of a rollout node's cost of submitting large groups.
-BUFFER_POOL_BYTES = 256 << 20
-
-
-class _BufferPool:
-    """Reusable memory for encoding group frames. A buffer comes back only once the broker has answered
-    the submit that carried it: the broker then holds every byte, so nothing still reads it."""
-
-    def __init__(self, max_bytes: int = BUFFER_POOL_BYTES):
-        self.max_bytes = max_bytes
-        self.free: list[np.ndarray] = []
-
-    def take(self, nbytes: int) -> np.ndarray:
-        fits = [i for i, b in enumerate(self.free) if len(b) >= nbytes]
-        if fits:
-            return self.free.pop(min(fits, key=lambda i: len(self.free[i])))
-        step = max(4096, 1 << max(0, nbytes.bit_length() - 4))  # round up by 1/16: sizes vary a little
-        return np.empty(-(-nbytes // step) * step, np.uint8)
-
-    def give(self, buffers: list[np.ndarray]) -> None:
-        held = sum(len(b) for b in self.free)
-        for b in buffers:
-            base = b.base if isinstance(b.base, np.ndarray) else b
-            if held + len(base) <= self.max_bytes:
-                self.free.append(base)
-                held += len(base)
-
-
-# Group frames a client may have sent and not yet seen acknowledged (the producer's window).
-MAX_UNACKED_BYTES = 128 << 20
-
-
-class _Unacked:
-    """Submits sent and not yet acknowledged: request id -> (node id it was sent as, group ids). An ``ack``
-    acknowledges every submit of that node up to its ``through`` id; submits sent under an earlier
-    registration (a broker that restarted) are never acknowledged by the new one and time out."""
-
-    def __init__(self) -> None:
-        self.by_id: dict[int, tuple[str | None, list[str]]] = {}
-
-    def add(self, rid: int, node_id: str | None, group_ids: list[str]) -> None:
-        self.by_id[rid] = (node_id, group_ids)
-
-    def forget(self, rid: int) -> None:
-        self.by_id.pop(rid, None)
-
-    def acked(self, body: dict[str, Any]) -> list[tuple[int, dict[str, list[str]]]]:
-        through, node_id = body.get("through"), body.get("node_id")
-        if not isinstance(through, int):
-            return []
-        filtered = {r: ids for r, ids in body.get("filtered") or ()}
-        done = []
-        for rid, (node, ids) in list(self.by_id.items()):
-            if rid > through:
-                break  # ids only grow
-            if node != node_id:
-                continue
-            del self.by_id[rid]
-            dropped = filtered.get(rid, [])
-            done.append((rid, {"accepted": [g for g in ids if g not in dropped], "filtered": dropped}))
-        return done
 
 
 class LeaseRejected(Exception):
@@ -115,37 +51,6 @@ def _raise_for(type_: str, body: dict[str, Any], what: str) -> None:
     if code == proto.LEASE_REJECTED:
         raise LeaseRejected(message)
     raise BrokerError(f"broker refused {what} ({code}): {message}", code)
-
-
-class _LocalFrames:
-    """Reads batches' group frames from the broker's journal when on its host (see local_journal)."""
-
-    def __init__(self, enabled: bool):
-        self.host = host_id() if enabled else None
-        self.reader = JournalReader() if self.host else None
-        self.batches_read = 0  # batches whose frames came from the journal
-
-    def request_field(self) -> dict[str, Any]:
-        return {"host": self.host} if self.reader is not None else {}
-
-    def frames(self, body: dict[str, Any], frames: list[Any]) -> list[Any] | None:
-        """The reply's group frames; None when they must be asked for again on the wire."""
-        where = (body.get("batch") or {}).get("journal")
-        if where is None:
-            return frames
-        try:
-            frames = self.reader.read(where["path"], where["file_id"], where["refs"])
-            self.batches_read += 1
-            return frames
-        except JournalUnavailable as exc:
-            log.info("reading batches from the broker's journal stopped (%s): frames come on the wire", exc)
-            self.close()
-            return None
-
-    def close(self) -> None:
-        if self.reader is not None:
-            self.reader.close()
-        self.reader = None
 
 
 def _batch(body: dict[str, Any], frames: list[Any]) -> Batch | None:

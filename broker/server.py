@@ -29,7 +29,8 @@ from tidal.broker.codec import lease_to_wire
 from tidal.broker.config import BrokerConfig
 from tidal.broker.curve import configure_server
 from tidal.broker.local_journal import host_id
-from tidal.broker.state import BrokerState, CutBatch
+from tidal.broker.state import BrokerState
+from tidal.broker.state_records import CutBatch
 
 log = logging.getLogger(__name__)
 

@@ -14,76 +14,20 @@ from __future__ import annotations
 import time
 import uuid
 from collections import Counter, deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
 from tidal.broker import staleness as st
-from tidal.broker.codec import GroupInfo, inspect_group
+from tidal.broker.codec import inspect_group
 from tidal.broker.config import BrokerConfig
 from tidal.broker.journal import Journal, Kind
 from tidal.broker.protocol import BAD_GROUP, BAD_REQUEST, LEASE_REJECTED, NOT_REGISTERED, ProtocolError
 from tidal.broker.source import PromptSource
+from tidal.broker.state_records import Counters, CutBatch, LeaseState, Node, StoredGroup
 from tidal.broker.types import Lease, PromptGroup
 
 THROUGHPUT_WINDOW_S = 10.0
-
-
-@dataclass
-class Node:
-    node_id: str
-    role: str
-    name: str
-    meta: dict[str, Any]
-    peer: bytes
-    joined: float
-    last_seen: float
-    alive: bool = True
-    leases: set[str] = field(default_factory=set)
-    # Standing lease request (``stream_leases``): groups the node wants in flight, at most
-    # ``stream_max`` per pushed lease; 0 = not streaming. ``told_finished``: the end of the data was pushed.
-    credit: int = 0
-    stream_max: int = 0
-    stream_id: int = 0
-    told_finished: bool = False
-
-
-@dataclass
-class LeaseState:
-    lease_id: str
-    node_id: str
-    deadline: float
-    pending: dict[str, PromptGroup]  # group id -> prompt group, not yet submitted
-
-
-@dataclass
-class StoredGroup:
-    info: GroupInfo
-    frame: Any  # bytes-like: the group frame exactly as it came (journaled and forwarded as is)
-    loc: tuple[str, int] | None = None  # (journal file id, offset) of its journal record's payload
-
-
-@dataclass
-class CutBatch:
-    batch_id: int
-    group_ids: list[str]
-    policy_version: int
-
-
-@dataclass
-class Counters:
-    accepted_groups: int = 0
-    accepted_samples: int = 0
-    accepted_bytes: int = 0
-    filtered_groups: int = 0
-    dropped_stale_groups: int = 0
-    expired_leases: int = 0
-    released_groups: int = 0
-    rejected_submissions: int = 0
-    nodes_timed_out: int = 0
-    bad_frames: int = 0
-    batches_cut: int = 0
 
 
 def _pack(obj: Any) -> bytes:

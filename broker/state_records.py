@@ -1,0 +1,66 @@
+"""The records the broker's state keeps (broker/state.py): members, leases, buffered groups, cut batches,
+and its counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tidal.broker.codec import GroupInfo
+from tidal.broker.types import PromptGroup
+
+
+@dataclass
+class Node:
+    node_id: str
+    role: str
+    name: str
+    meta: dict[str, Any]
+    peer: bytes
+    joined: float
+    last_seen: float
+    alive: bool = True
+    leases: set[str] = field(default_factory=set)
+    # Standing lease request (``stream_leases``): groups the node wants in flight, at most
+    # ``stream_max`` per pushed lease; 0 = not streaming. ``told_finished``: the end of the data was pushed.
+    credit: int = 0
+    stream_max: int = 0
+    stream_id: int = 0
+    told_finished: bool = False
+
+
+@dataclass
+class LeaseState:
+    lease_id: str
+    node_id: str
+    deadline: float
+    pending: dict[str, PromptGroup]  # group id -> prompt group, not yet submitted
+
+
+@dataclass
+class StoredGroup:
+    info: GroupInfo
+    frame: Any  # bytes-like: the group frame exactly as it came (journaled and forwarded as is)
+    loc: tuple[str, int] | None = None  # (journal file id, offset) of its journal record's payload
+
+
+@dataclass
+class CutBatch:
+    batch_id: int
+    group_ids: list[str]
+    policy_version: int
+
+
+@dataclass
+class Counters:
+    accepted_groups: int = 0
+    accepted_samples: int = 0
+    accepted_bytes: int = 0
+    filtered_groups: int = 0
+    dropped_stale_groups: int = 0
+    expired_leases: int = 0
+    released_groups: int = 0
+    rejected_submissions: int = 0
+    nodes_timed_out: int = 0
+    bad_frames: int = 0
+    batches_cut: int = 0
