@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+from contextlib import contextmanager
+from pathlib import Path
+
 from tidal.model_config import ModelConfig
 
 _GQA = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
@@ -35,3 +39,29 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18], [3,
 def tiny_config(family: str, **overrides) -> ModelConfig:
     """A two-layer, 96-token-vocabulary model of ``family`` (fields of ``overrides`` replace the shape's)."""
     return ModelConfig(family=family, vocab_size=96, num_hidden_layers=2, **(TINY_SHAPES[family] | overrides))
+
+
+# the qwen3 model above as ModelConfig fields, for `tidal serve model.KEY=VALUE` overrides
+TINY_QWEN3 = dict(family="qwen3", vocab_size=96, num_hidden_layers=2, **TINY_SHAPES["qwen3"])
+
+
+@contextmanager
+def served_engine(model: dict, *overrides: str, log_path: Path, start_timeout_s: float = 180.0):
+    """A `tidal serve` process of ``model`` (ModelConfig fields) with config ``overrides``, started and
+    healthy on a free port; killed on exit."""
+    from tidal.procs import free_port, python_cmd
+    from tidal.rollout.sglang_launcher import EngineProcess
+
+    port = free_port()
+    args = [f"model.{k}={v}" for k, v in model.items()] + list(overrides)
+    proc = EngineProcess(
+        python_cmd("serve", *args, "--port", str(port)),
+        f"http://127.0.0.1:{port}",
+        log_path=log_path,
+        start_timeout_s=start_timeout_s,
+    )
+    asyncio.run(proc.start())
+    try:
+        yield proc
+    finally:
+        proc.kill()

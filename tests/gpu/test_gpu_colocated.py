@@ -17,6 +17,8 @@ import json
 
 import pytest
 
+from tidal.rollout.embedded.testing import served_engine
+
 pytestmark = pytest.mark.gpu
 
 MODEL = dict(
@@ -38,28 +40,17 @@ MEMORY_MODEL = dict(
 
 @pytest.fixture(scope="module")
 def colocated_engine(tmp_path_factory):
-    from tidal.procs import free_port, python_cmd
-    from tidal.rollout.sglang_launcher import EngineProcess
-
-    port = free_port()
-    overrides = [f"model.{k}={v}" for k, v in MODEL.items()] + [
+    with served_engine(
+        MODEL,
         "seed=3",
         "rollout.engine.device=cuda",
         "rollout.engine.dtype=bfloat16",
         "rollout.engine.max_batch_size=8",
         "rollout.engine.max_seq_len=64",
-    ]
-    proc = EngineProcess(
-        python_cmd("serve", *overrides, "--port", str(port)),
-        f"http://127.0.0.1:{port}",
         log_path=tmp_path_factory.mktemp("colocated") / "serve.log",
         start_timeout_s=240,
-    )
-    asyncio.run(proc.start())
-    try:
+    ) as proc:
         yield proc
-    finally:
-        proc.kill()
 
 
 def test_colocated_sync_of_the_trainers_export_is_bitwise_equal(colocated_engine, child):

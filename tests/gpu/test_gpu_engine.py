@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from tidal.rollout.embedded.testing import PROMPTS, TINY_SHAPES, tiny_config
+from tidal.rollout.embedded.testing import PROMPTS, TINY_QWEN3, TINY_SHAPES, tiny_config
+from tidal.rollout.embedded.testing import served_engine as engine_process
 
 pytestmark = pytest.mark.gpu
 
@@ -135,43 +136,23 @@ def test_bf16_greedy_on_cuda_is_the_teacher_forced_argmax(family):
         torch.testing.assert_close(torch.tensor(req.output_logprobs), chosen, atol=BF16_LOGPROB_ATOL, rtol=0)
 
 
-SERVED = dict(
-    family="qwen3",
-    vocab_size=96,
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=96,
-)
+SERVED = TINY_QWEN3
 SERVED_SEED = 7
 
 
 @pytest.fixture(scope="module")
 def served_engine(tmp_path_factory):
-    from tidal.procs import free_port, python_cmd
-    from tidal.rollout.sglang_launcher import EngineProcess
-
-    port = free_port()
-    overrides = [f"model.{k}={v}" for k, v in SERVED.items()] + [
+    with engine_process(
+        SERVED,
         f"seed={SERVED_SEED}",
         "rollout.engine.device=cuda",
         "rollout.engine.dtype=float32",
         "rollout.engine.max_batch_size=8",
         "rollout.engine.max_seq_len=96",
-    ]
-    proc = EngineProcess(
-        python_cmd("serve", *overrides, "--port", str(port)),
-        f"http://127.0.0.1:{port}",
         log_path=tmp_path_factory.mktemp("engine") / "serve.log",
         start_timeout_s=240,
-    )
-    asyncio.run(proc.start())
-    try:
+    ) as proc:
         yield proc
-    finally:
-        proc.kill()
 
 
 def test_served_engine_on_cuda_generates_transformers_greedy(served_engine):

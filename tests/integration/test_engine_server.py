@@ -21,26 +21,17 @@ import pytest
 import torch
 
 from tidal.model_config import ModelConfig
-from tidal.procs import free_port, python_cmd
+from tidal.procs import free_port
 from tidal.rollout.embedded.model import NamedTensorLoader, build_model
+from tidal.rollout.embedded.testing import TINY_QWEN3, served_engine
 from tidal.rollout.http_client import SGLangClient
-from tidal.rollout.sglang_launcher import EngineProcess
 from tidal.weights_sync import bucket
 from tidal.weights_sync.transport import create_group
 
 pytestmark = pytest.mark.slow
 
 SGLANG = Path(importlib.util.find_spec("sglang").origin).parent
-MODEL = dict(
-    family="qwen3",
-    vocab_size=96,
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=96,
-)
+MODEL = TINY_QWEN3
 SEED = 7
 MAX_SEQ = 384  # long requests (~380 tokens) stay running while a test acts on them, even on a loaded host
 
@@ -117,26 +108,16 @@ def parse_generate(raw: dict) -> object:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    port = free_port()
-    overrides = [f"model.{k}={v}" for k, v in MODEL.items()] + [
+    with served_engine(
+        MODEL,
         f"seed={SEED}",
         "rollout.engine.max_batch_size=8",
         f"rollout.engine.max_seq_len={MAX_SEQ}",
         "rollout.engine.weight_update_timeout_s=60",
         "rollout.engine.num_threads=1",
-    ]
-    cmd = python_cmd("serve", *overrides, "--port", str(port))
-    proc = EngineProcess(
-        cmd,
-        f"http://127.0.0.1:{port}",
         log_path=tmp_path_factory.mktemp("engine") / "serve.log",
-        start_timeout_s=180,
-    )
-    asyncio.run(proc.start())
-    try:
+    ) as proc:
         yield proc
-    finally:
-        proc.kill()
 
 
 @pytest.fixture(scope="module")

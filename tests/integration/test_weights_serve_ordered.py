@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tidal.model_config import ModelConfig
-from tidal.procs import free_port, python_cmd, spawn, stop, wait_for_tcp
 from tidal.rollout.embedded.model import build_model
+from tidal.rollout.embedded.testing import TINY_QWEN3, served_engine
 from tidal.weights_sync import bucket
 from tidal.weights_sync.config import WeightSyncConfig
 from tidal.weights_sync.engine_api import EngineEndpoint
@@ -24,37 +24,23 @@ from tidal.weights_sync.sender import WeightSender
 
 pytestmark = pytest.mark.slow
 
-MODEL = dict(
-    family="qwen3",
-    vocab_size=96,
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=96,
-)
+MODEL = TINY_QWEN3
 ENGINE_SEED = 7
 PROMPT = [3, 1, 4, 1, 5]
 
 
 @pytest.fixture(scope="module")
 def engine_url(tmp_path_factory):
-    port = free_port()
-    overrides = [f"model.{k}={v}" for k, v in MODEL.items()] + [
+    with served_engine(
+        MODEL,
         f"seed={ENGINE_SEED}",
         "rollout.engine.max_batch_size=4",
         "rollout.engine.max_seq_len=64",
         "rollout.engine.weight_update_timeout_s=30",
         "rollout.engine.num_threads=1",
-    ]
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    proc = spawn(python_cmd("serve", *overrides, "--port", str(port)), log)
-    try:
-        wait_for_tcp("127.0.0.1", port, timeout_s=180, proc=proc)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop(proc, timeout_s=5)
+        log_path=tmp_path_factory.mktemp("serve") / "serve.log",
+    ) as proc:
+        yield proc.url
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:

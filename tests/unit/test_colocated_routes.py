@@ -3,15 +3,13 @@ refusal of CUDA IPC updates by a CPU engine (the GPU suite runs the IPC path its
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 
 import httpx
 import pytest
 
-from tidal.procs import free_port, python_cmd
-from tidal.rollout.sglang_launcher import EngineProcess
+from tidal.rollout.embedded.testing import served_engine
 from tidal.weights_sync import bucket
 from tidal.weights_sync.colocated import serialize_bucket
 
@@ -32,24 +30,16 @@ GREEDY = {"input_ids": [3, 5, 7], "sampling_params": {"max_new_tokens": 8, "temp
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    port = free_port()
-    overrides = [f"model.{k}={v}" for k, v in MODEL.items()] + [
+    with served_engine(
+        MODEL,
         "seed=2",
         "rollout.engine.max_batch_size=4",
         "rollout.engine.max_seq_len=32",
         "rollout.engine.num_threads=1",
-    ]
-    proc = EngineProcess(
-        python_cmd("serve", *overrides, "--port", str(port)),
-        f"http://127.0.0.1:{port}",
         log_path=tmp_path_factory.mktemp("colocated_routes") / "serve.log",
         start_timeout_s=120,
-    )
-    asyncio.run(proc.start())
-    try:
+    ) as proc:
         yield proc.url
-    finally:
-        proc.kill()
 
 
 def test_cpu_engine_refuses_cuda_ipc_updates_with_the_way_out(engine):
