@@ -45,6 +45,13 @@ class EmbeddedEngineConfig(BaseModel):
         "bucket, or transformers' modules; auto: cuda_graphs on CUDA, lean on CPU, transformers for other "
         "families (docs/engine.md)",
     )
+    decode_burst: int = Field(
+        8,
+        ge=1,
+        description="lean decode steps run back to back (tokens stay on the device, read once per burst) "
+        "while no request waits to join and none reaches its length limit; a call (pause, weight update, "
+        "abort) waits at most one burst; 1: look at the requests after every step",
+    )
 
 
 class SGLangEngineConfig(BaseModel):

@@ -58,14 +58,10 @@ class EagerDecode:
     def __init__(self, decoder: LeanDecoder):
         self.decoder = decoder
 
-    def __call__(self, ids: list[int], positions: list[int]) -> torch.Tensor:
-        device = self.decoder.device
-        return self.decoder(
-            torch.tensor(ids, device=device),
-            torch.tensor(positions, device=device),
-            max(positions) + 1,
-            masked=min(positions) != max(positions),
-        )
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, last: int, uniform: bool) -> torch.Tensor:
+        """``ids``/``positions``: ``[rows]`` on the device; ``last``: the largest position; ``uniform``: all
+        rows at ``last`` (then no mask). The host never reads the device here, so steps chain without a sync."""
+        return self.decoder(ids, positions, last + 1, masked=not uniform)
 
 
 class DecodeGraphs:
@@ -122,15 +118,16 @@ class DecodeGraphs:
             log.warning("CUDA graph capture failed, decoding eagerly: %s", self.failure)
         self.capture_seconds = time.perf_counter() - t0
 
-    def __call__(self, ids: list[int], positions: list[int]) -> torch.Tensor:
-        n = len(ids)
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, last: int, uniform: bool) -> torch.Tensor:
+        """Same contract as :class:`EagerDecode`; the rows past ``len(ids)`` up to the bucket are padding."""
+        n = ids.shape[0]
         rows = _bucket(self.rows_buckets, n)
-        length = _bucket(self.len_buckets, max(positions) + 1)
+        length = _bucket(self.len_buckets, last + 1)
+        self.ids[:n].copy_(ids)
+        self.positions[:n].copy_(positions)
         if rows > n:
-            ids = ids + [0] * (rows - n)
-            positions = positions + [0] * (rows - n)
-        self.ids[:rows].copy_(torch.tensor(ids))
-        self.positions[:rows].copy_(torch.tensor(positions))
+            self.ids[n:rows].zero_()
+            self.positions[n:rows].zero_()
         graph = self.graphs.get((rows, length))
         if graph is None:
             return self._forward(rows, length)[:n]

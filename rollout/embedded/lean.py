@@ -111,6 +111,11 @@ class LeanDecoder:
         self.final_norm = lm.model.norm.weight
         self.lm_head = lm.get_output_embeddings().weight
         self.cos, self.sin = self._rotary_tables(lm, pool.max_seq_len)
+        # rotate_half(x) * sin == roll(x, half) * sin_signed (the first half's sign moved onto the table):
+        # one roll instead of two slices, a negation and a concatenation, the same products bit for bit
+        half = self.head_dim // 2
+        self.sin_signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
+        self.qk_heads = self.heads + self.kv_heads
         shape = (self.kv_heads, self.head_dim)
         for layer in range(len(self.layers)):
             pool.preallocate(layer, shape, shape, self.dtype)
@@ -149,41 +154,46 @@ class LeanDecoder:
             return normed * weight
         return weight * normed.to(x.dtype)
 
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return (x * cos) + (rotated * sin)
-
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, kv_len: int, masked: bool) -> torch.Tensor:
         """``[rows]`` token ids at ``[rows]`` positions -> ``[rows, vocab]`` logits (model dtype).
 
-        ``kv_len`` > every position; ``masked``: rows differ in position (else each row sees its whole cache).
+        ``kv_len`` > every position; ``masked``: rows differ in position (else every row is at position
+        ``kv_len - 1`` and sees its whole cache).
         """
-        rows = ids.shape[0]
         cos = self.cos[positions][:, None, :]  # [rows, 1, d]: broadcasts over heads
-        sin = self.sin[positions][:, None, :]
-        row_index = torch.arange(rows, device=self.device)
+        sin = self.sin_signed[positions][:, None, :]
         mask = None
         if masked:
             key_pos = torch.arange(kv_len, device=self.device)
             mask = (key_pos[None, :] <= positions[:, None])[:, None, None, :]  # [rows, 1, 1, kv_len]
         with sdpa_backends(self.sdpa_attention):
-            return self._forward(ids, positions, kv_len, cos, sin, row_index, mask)
+            return self._forward(ids, positions, kv_len, cos, sin, mask)
 
-    def _forward(self, ids, positions, kv_len, cos, sin, row_index, mask) -> torch.Tensor:
+    def _forward(self, ids, positions, kv_len, cos, sin, mask) -> torch.Tensor:
         rows = ids.shape[0]
+        qk_width = self.qk_heads * self.head_dim
+        row_index = torch.arange(rows, device=self.device) if mask is not None else None
         h = F.embedding(ids, self.embed)
         for index, layer in enumerate(self.layers):
-            x = self._norm(h, layer.input_norm)
-            q, k, v = F.linear(x, layer.qkv).split(self.qkv_sizes, dim=-1)
-            q = self._rotate(self._norm(q.view(rows, self.heads, self.head_dim), layer.q_norm), cos, sin)
-            k = self._rotate(self._norm(k.view(rows, self.kv_heads, self.head_dim), layer.k_norm), cos, sin)
+            qkv = F.linear(self._norm(h, layer.input_norm), layer.qkv)
+            # the query and key heads normalised together (one rms_norm), each scaled by its own weight,
+            # and rotated together
+            qk = qkv[:, :qk_width].view(rows, self.qk_heads, self.head_dim)
+            qk = F.rms_norm(qk.float(), (self.head_dim,), eps=self.eps).to(self.dtype)
+            qk[:, : self.heads].mul_(layer.q_norm)
+            qk[:, self.heads :].mul_(layer.k_norm)
+            qk = qk * cos + torch.roll(qk, self.head_dim // 2, dims=-1) * sin
+            q, k = qk[:, : self.heads], qk[:, self.heads :]
+            v = qkv[:, qk_width:].view(rows, self.kv_heads, self.head_dim)
             k_buf, v_buf = self.pool.keys[index], self.pool.values[index]
-            k_buf[row_index, :, positions] = k
-            v_buf[row_index, :, positions] = v.view(rows, self.kv_heads, self.head_dim)
+            if mask is None:  # every row writes at the same position: a strided copy, no scatter
+                k_buf[:rows, :, kv_len - 1] = k
+                v_buf[:rows, :, kv_len - 1] = v
+            else:
+                k_buf[row_index, :, positions] = k
+                v_buf[row_index, :, positions] = v
             attn = self._attend(q, k_buf[:rows, :, :kv_len], v_buf[:rows, :, :kv_len], mask)
-            h = h + F.linear(attn, layer.o_proj)
+            h = torch.addmm(h, attn, layer.o_proj.t())  # h + attn @ o_proj^T: the residual in the matmul
             x = self._norm(h, layer.post_norm)
             h = h + (self._mlp(x, layer) if layer.router is None else self._moe(x, layer))
         h = self._norm(h, self.final_norm)

@@ -34,6 +34,8 @@ DEFAULT_VERSION = "default"
 # how a decode step runs: transformers' modules; the lean forward (lean.py) on the exact rows; the lean
 # forward padded to buckets (eager: how CPU tests check the CUDA-graph padding); CUDA graphs of the latter
 DECODE_MODES = ("transformers", "lean", "bucketed", "cuda_graphs")
+# lean decode steps per scheduler iteration while nothing joins, leaves by length or waits to run
+DEFAULT_DECODE_BURST = 8
 
 
 @dataclass(eq=False)  # identity: two requests with equal fields are still two requests
@@ -86,9 +88,11 @@ class Scheduler:
         eos_token_ids: list[int],
         seed: int = 0,
         decode: str | None = None,
+        decode_burst: int = DEFAULT_DECODE_BURST,
     ):
         """``decode``: one of DECODE_MODES; None picks CUDA graphs on CUDA, else the lean forward, and
-        transformers' modules for models the lean forward does not cover (``decode_reason`` says why)."""
+        transformers' modules for models the lean forward does not cover (``decode_reason`` says why).
+        ``decode_burst``: lean decode steps run back to back while no request joins or ends by length."""
         self.lm = lm
         self.decoder = lm.get_decoder()
         # transformers renamed ``past_key_values`` to ``cache`` (5.2x); older 5.x ignores ``cache`` silently,
@@ -100,6 +104,9 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.max_prefill_tokens = max_prefill_tokens
+        if decode_burst < 1:
+            raise ValueError(f"decode_burst={decode_burst} must be >= 1 (1: look at the requests every step)")
+        self.decode_burst = decode_burst
         self.vocab_size = lm.config.vocab_size
         self.eos_token_ids = set(eos_token_ids)
         self.pool = KVPool(lm.config.num_hidden_layers, max_batch_size, max_seq_len, self.device)
@@ -303,26 +310,65 @@ class Scheduler:
         self._compact()
         reqs = self.running
         positions = [r.cached_len for r in reqs]
-        if self._lean_step is not None:
-            logits = self._lean_step([r.output_ids[-1] for r in reqs], positions)
-        else:
+        if self._lean_step is None:
             batch = StepBatch([r.slot for r in reqs], positions, [1] * len(reqs), self.device)
             ids = torch.tensor([[r.output_ids[-1]] for r in reqs], dtype=torch.long, device=self.device)
             logits = self._forward(batch, ids)
+            for r in reqs:
+                r.cached_len += 1
+            self._emit(reqs, logits)
+            return
+        # a burst of decode steps: each step's sampled tokens feed the next on the device, and the host reads
+        # the burst's tokens once at its end (no per-step .tolist(), no per-step Python over the requests)
+        steps = self._burst_length(reqs)
+        params, generators = [r.params for r in reqs], [r.generator for r in reqs]
+        ids = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.long, device=self.device)
+        start = torch.tensor(positions, dtype=torch.long, device=self.device)
+        last, uniform = max(positions), min(positions) == max(positions)
+        tokens, logprobs = [], []
+        for step in range(steps):
+            logits = self._lean_step(ids, start + step if step else start, last + step, uniform)
+            ids, chosen = sample(logits, params, generators)
+            tokens.append(ids)
+            logprobs.append(chosen)
+        self.steps += steps
         for r in reqs:
-            r.cached_len += 1
-        self._emit(reqs, logits)
+            r.cached_len += steps
+        self._append(reqs, torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist())
+
+    def _burst_length(self, reqs: list[Request]) -> int:
+        """Decode steps to run before looking at requests again: 1 while something waits (a call, a request
+        that could be admitted); else up to ``decode_burst``, never past the step where a request reaches its
+        length limit. A stop token ends its request inside a burst: the later tokens of that row are dropped."""
+        if (
+            self.decode_burst <= 1
+            or self._calls
+            or self._drain_calls
+            or (self.waiting and self.pool.free_slots)
+        ):
+            return 1
+        left = min(
+            min(r.params.max_new_tokens, self.max_seq_len - len(r.input_ids)) - len(r.output_ids)
+            for r in reqs
+        )
+        return max(1, min(self.decode_burst, left))
 
     def _emit(self, reqs: list[Request], logits: torch.Tensor) -> None:
         self.steps += 1
         tokens, logprobs = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        self._append(reqs, [[t] for t in tokens.tolist()], [[lp] for lp in logprobs.tolist()])
+
+    def _append(self, reqs: list[Request], tokens: list[list[int]], logprobs: list[list[float]]) -> None:
+        """Give each request its new tokens in order, up to the one that finishes it (the rest are dropped)."""
         done = []
-        for req, tok, lp in zip(reqs, tokens.tolist(), logprobs.tolist(), strict=True):
-            req.output_ids.append(tok)
-            req.output_logprobs.append(lp)
-            reason = self._finish_reason(req, tok)
-            if reason is not None:
-                done.append((req, reason))
+        for req, toks, lps in zip(reqs, tokens, logprobs, strict=True):
+            for tok, lp in zip(toks, lps, strict=True):
+                req.output_ids.append(tok)
+                req.output_logprobs.append(lp)
+                reason = self._finish_reason(req, tok)
+                if reason is not None:
+                    done.append((req, reason))
+                    break
         for req, reason in done:
             self._finish(req, reason)
 

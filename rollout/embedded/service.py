@@ -58,6 +58,7 @@ class EmbeddedEngine:
             eos_token_ids=self.eos_token_ids,
             seed=seed,
             decode=None if engine.decode == "auto" else engine.decode,
+            decode_burst=engine.decode_burst,
         )
         self.model_path = model.path or f"random-init:{self.model_config.family}:seed={seed}"
         self.served_model_name = engine.served_model_name or self.model_path

@@ -228,5 +228,88 @@ def test_graph_capture_that_fails_is_reported_and_the_padded_step_still_runs():
     graphs.capture_all()
     assert graphs.failure is not None and not graphs.graphs
     eager = EagerDecode(LeanDecoder(lm, KVPool(lm.config.num_hidden_layers, 4, 40, "cpu")))
-    ids, positions = [5, 9, 2], [0, 0, 0]
-    torch.testing.assert_close(graphs(ids, positions), eager(ids, positions), atol=1e-5, rtol=0)
+    ids, positions = torch.tensor([5, 9, 2]), torch.tensor([0, 0, 0])
+    torch.testing.assert_close(
+        graphs(ids, positions, 0, True), eager(ids, positions, 0, True), atol=1e-5, rtol=0
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decode_bursts_equal_transformers_and_a_stop_token_ends_its_row_mid_burst(family):
+    """Several lean decode steps per scheduler iteration (tokens read by the host once per burst): a row whose
+    stop token comes in the middle of a burst ends exactly there, the others go on, and every row still equals
+    transformers' greedy tokens and teacher-forced logprobs."""
+    # seeds whose greedy output has a first-time token inside the first burst (random tiny models repeat)
+    lm = model(family, seed={"qwen3": 17, "qwen3_moe": 16}[family])
+    ref = reference(lm)
+    greedy = ref.generate(
+        torch.tensor([PROMPTS[0]]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
+    )[0, len(PROMPTS[0]) :].tolist()
+    # token 0 comes from the prefill, tokens 1..8 from the first burst: stop on one inside it
+    stop_index = next(j for j in range(2, 8) if greedy[j] not in greedy[:j])
+    sched = Scheduler(
+        lm,
+        max_batch_size=4,
+        max_seq_len=96,
+        max_prefill_tokens=4096,
+        device="cpu",
+        eos_token_ids=[],
+        decode_burst=8,
+    )
+    appended: list[int] = []  # tokens handed to the requests per scheduler iteration
+    append = sched._append
+
+    def recording_append(reqs, tokens, logprobs) -> None:
+        appended.append(len(tokens[0]))
+        append(reqs, tokens, logprobs)
+
+    sched._append = recording_append
+    done: dict[str, Request] = {}
+    finished = threading.Event()
+
+    def on_done(req: Request) -> None:
+        done[req.rid] = req
+        if len(done) == 2:
+            finished.set()
+
+    stopping = Request(
+        input_ids=PROMPTS[0],
+        params=SamplingParams(max_new_tokens=30, temperature=0, stop_token_ids=[greedy[stop_index]]),
+        rid="stop",
+        on_done=on_done,
+    )
+    running_on = Request(
+        input_ids=PROMPTS[1],
+        params=SamplingParams(max_new_tokens=30, temperature=0),
+        rid="on",
+        on_done=on_done,
+    )
+    sched.submit(stopping)  # both wait before the thread starts: one prefill, then bursts
+    sched.submit(running_on)
+    sched.start()
+    try:
+        assert finished.wait(60)
+    finally:
+        sched.stop()
+    assert done["stop"].output_ids == greedy[: stop_index + 1]
+    assert done["stop"].finish_reason == {"type": "stop", "matched": greedy[stop_index]}
+    assert len(done["stop"].output_logprobs) == stop_index + 1
+    assert done["on"].finish_reason == {"type": "length", "length": 30}
+    assert_transformers_greedy(ref, PROMPTS[0], done["stop"])
+    assert_transformers_greedy(ref, PROMPTS[1], done["on"])
+    # one prefill token, then bursts of 8 up to the length limit (29 = 8 + 8 + 8 + 5)
+    assert appended == [1, 8, 8, 8, 5]
+    assert sched.steps == 30 and sched.pool.free_slots == 4
+
+
+def test_decode_burst_must_be_positive():
+    with pytest.raises(ValueError, match="decode_burst=0 must be >= 1"):
+        Scheduler(
+            model("qwen3", seed=17),
+            max_batch_size=2,
+            max_seq_len=32,
+            max_prefill_tokens=64,
+            device="cpu",
+            eos_token_ids=[],
+            decode_burst=0,
+        )
