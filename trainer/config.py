@@ -96,6 +96,13 @@ class KernelConfig(BaseModel):
         "gradient recomputed from the saved logits (no full fp32 copy of the logits); reference = the plain "
         "fp32 formula; auto = fused",
     )
+    gated_delta_rule: Literal["auto", "fla", "torch"] = Field(
+        "auto",
+        description="Gated DeltaNet layers (Qwen3.5): fla = flash-linear-attention's chunked Triton kernel; "
+        "torch = megatron-core's torch-native chunked rule, sequence by sequence (slow, the reference); "
+        "auto = fla, unless fla refuses its backward on this device (Hopper with Triton 3.4 to 3.7.0 and no "
+        "TileLang), then torch",
+    )
     logprobs_chunk_tokens: int = Field(
         1024, ge=1, description="fused logprobs: rows of logits converted to fp32 at a time"
     )

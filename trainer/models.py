@@ -314,6 +314,7 @@ def build_model(
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     from tidal.trainer import families, rope
+    from tidal.trainer.config import KernelConfig
 
     model = model.resolved()
     if use_te is None:
@@ -341,6 +342,7 @@ def build_model(
         chunks.append(gpt)
     init_weights(chunks, tconfig, seed)
     families.init_extra(chunks, tconfig, seed)
+    families.install_kernels(chunks, tconfig, kernels or KernelConfig())
     return chunks
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -36,6 +37,14 @@ from tidal.weights_sync.tiny_models import save_random_hf
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny" / "qwen3_5_35b_a3b.yaml"
 LENGTHS = (20, 28)  # two sequences, packed into one row for the THD comparison
+
+
+_START = time.monotonic()
+
+
+def _phase(name: str) -> None:
+    """Progress on stderr: the first run on a machine compiles and tunes fla's Triton kernels (minutes)."""
+    print(f"[{time.monotonic() - _START:7.1f} s] {name}", file=sys.stderr, flush=True)
 
 
 def _transformers(directory: Path, dtype: torch.dtype, device):
@@ -103,15 +112,21 @@ def main() -> None:
     ref16 = _transformers(directory, torch.bfloat16, device)
 
     # fp32: megatron-core (fla) vs transformers
+    _phase("fp32 logits")
     chunks32, _, mapping, loaded = _megatron(model, hf, torch.float32, device)
     full = {n for n, _ in mapping.to_megatron(hf)}
     result["not_loaded"] = sorted(full - loaded)
+    from tidal.trainer.families.gated_delta_rule import fla_backward_refusal
+
+    result["gated_delta_rule"] = chunks32[0].tidal_gated_delta_rule
+    result["fla_backward_refusal"] = fla_backward_refusal()
     out = _logits(chunks32[0], ref32, ids, device)
     result["fp32_batch_error"] = _error(out["megatron_batch"], out["ref_batch"])
     result["fp32_packed_error"] = _error(out["megatron_packed"], out["ref_packed"])
     del chunks32
 
     # bf16: megatron-core vs fp32 transformers, next to transformers' own bf16 error
+    _phase("bf16 logits")
     chunks, tconfig, mapping, _ = _megatron(model, hf, torch.bfloat16, device)
     out = _logits(chunks[0], ref32, ids, device)
     out16 = _logits(chunks[0], ref16, ids, device)
@@ -121,6 +136,7 @@ def main() -> None:
     result["transformers_bf16_packed_error"] = _error(out16["ref_packed"], out["ref_packed"])
 
     # one GRPO step in bf16 with the distributed optimizer, on packed sequences
+    _phase("one GRPO step")
     before = {n: p.detach().float().clone() for n, p in chunks[0].named_parameters()}
     state = build_train_state(chunks, tconfig, OptimizerConfig(lr=1e-3, clip_grad=1.0), total_steps=1)
     groups = synthetic_groups(vocab_size=model.vocab_size, groups=4, group_size=4, seed=0)
@@ -141,6 +157,7 @@ def main() -> None:
     )
 
     # export (weights_sync's conversion) into a transformers model through the embedded engine's loader
+    _phase("export and reload")
     from transformers import AutoModelForCausalLM
 
     from tidal.rollout.embedded.model import NamedTensorLoader
@@ -158,6 +175,7 @@ def main() -> None:
     result["synced_bf16_error"] = _error(out["megatron_batch"], out["ref_batch"])
     result["synced_transformers_bf16_error"] = _error(out16["ref_batch"], out["ref_batch"])
     parallel.shutdown()
+    _phase("done")
     print(json.dumps(result))
 
 

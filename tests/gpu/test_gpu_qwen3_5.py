@@ -51,6 +51,13 @@ def test_checkpoint_loads_completely(run):
     assert run["not_loaded"] == []
 
 
+def test_gated_delta_rule_is_flas_unless_fla_refuses_its_backward(run):
+    # trainer.kernels.gated_delta_rule=auto: fla's kernel, or the torch-native rule where fla raises in the
+    # backward (Hopper with Triton 3.4 to 3.7.0: fla issue #640)
+    want = "fla" if run["fla_backward_refusal"] is None else "torch"
+    assert run["gated_delta_rule"] == want, run
+
+
 @pytest.mark.parametrize("layout", ["batch", "packed"])
 def test_fp32_logits_match_transformers(run, layout):
     assert run[f"fp32_{layout}_error"] < FP32_RTOL, run

@@ -55,3 +55,12 @@ def init_extra(chunks, tconfig, seed: int) -> None:
         init = getattr(module_for(family), "init_extra", None)
         if init is not None:
             init(chunks, tconfig, seed)
+
+
+def install_kernels(chunks, tconfig, kernels) -> None:
+    """The family's own kernel choices (``trainer.kernels``) on the built chunks."""
+    family = getattr(tconfig, "tidal_family", None)
+    if family in FAMILIES:
+        install = getattr(module_for(family), "install_kernels", None)
+        if install is not None:
+            install(chunks, kernels)

@@ -137,3 +137,9 @@ def init_extra(chunks: list[torch.nn.Module], tconfig, seed: int) -> None:
                 generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
                 a = torch.empty(param.shape, dtype=torch.float32).uniform_(*A_INIT_RANGE, generator=generator)
                 param.copy_(torch.log(a).to(param.dtype))
+
+
+def install_kernels(chunks, kernels) -> None:
+    from tidal.trainer.families import gated_delta_rule
+
+    gated_delta_rule.install(chunks, kernels.gated_delta_rule)
