@@ -29,7 +29,7 @@ from tidal.configio import load_yaml
 from tidal.model_config import ModelConfig
 from tidal.rollout.embedded.model import build_model
 from tidal.rollout.embedded.sampling import SamplingParams
-from tidal.rollout.embedded.scheduler import DECODE_MODES, Request, Scheduler
+from tidal.rollout.embedded.scheduler import DECODE_MODES, DEFAULT_DECODE_BURST, Request, Scheduler
 
 
 def parse_args() -> argparse.Namespace:
@@ -63,6 +63,24 @@ def parse_args() -> argparse.Namespace:
         default=None,
         choices=list(DECODE_MODES),
         help="the engine's decode path (default: CUDA graphs on CUDA, the lean forward on CPU)",
+    )
+    p.add_argument(
+        "--cpu-attention",
+        default="auto",
+        choices=["auto", "native", "torch"],
+        help="the lean decode's attention on CPU: the native AVX2 kernel where it builds (auto), or torch's matmuls",
+    )
+    p.add_argument(
+        "--decode-burst",
+        type=int,
+        default=DEFAULT_DECODE_BURST,
+        help="lean decode steps per scheduler iteration (1: the host reads every step's tokens)",
+    )
+    p.add_argument(
+        "--hf-cache",
+        default="dynamic",
+        choices=["dynamic", "static"],
+        help="transformers' KV cache in generate (dynamic: its default, the faster one on CPU in our runs)",
     )
     p.add_argument(
         "--peak-gbs",
@@ -117,7 +135,7 @@ def sync(device: str) -> None:
 
 
 def run_transformers(
-    ref, prompts: torch.Tensor, new_tokens: int, device: str
+    ref, prompts: torch.Tensor, new_tokens: int, device: str, cache: str = "dynamic"
 ) -> tuple[float, float, list[list[int]]]:
     sync(device)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -130,6 +148,7 @@ def run_transformers(
             do_sample=False,
             eos_token_id=None,
             pad_token_id=0,
+            **({"cache_implementation": "static"} if cache == "static" else {}),
         )
     sync(device)
     return time.perf_counter() - t0, time.process_time() - c0, out[:, prompts.shape[1] :].tolist()
@@ -183,6 +202,8 @@ def main() -> None:
         eos_token_ids=[],
         seed=a.seed,
         decode=a.decode,
+        decode_burst=a.decode_burst,
+        cpu_attention=a.cpu_attention,
     )
     t_start = time.perf_counter()
     sched.start()
@@ -191,12 +212,13 @@ def main() -> None:
     try:
         # warm-up both paths once (allocations, kernels)
         warm = torch.randint(0, cfg.vocab_size, (2, a.prompt_len), generator=gen).to(a.device)
-        run_transformers(ref, warm, 4, a.device)
+        run_transformers(ref, warm, 4, a.device, a.hf_cache)
         run_engine(sched, warm.tolist(), [4, 4], a.device)
         # includes the CUDA graph captures, which run on the scheduler thread before its first step
         engine_start_s = time.perf_counter() - t_start
         print(
-            f"engine decode path: {sched.decode_mode} ({sched.decode_reason}); ready in {engine_start_s:.1f} s"
+            f"engine decode path: {sched.decode_mode} ({sched.decode_reason}); attention: {sched.attention}; "
+            f"burst {a.decode_burst}; transformers cache: {a.hf_cache}; ready in {engine_start_s:.1f} s"
         )
         for b in batch_sizes:
             prompts = torch.randint(0, cfg.vocab_size, (b, a.prompt_len), generator=gen).to(a.device)
@@ -207,7 +229,7 @@ def main() -> None:
             hf_times, eng_times, hf_cpu, eng_cpu, same = [], [], [], [], 0.0
             for _ in range(a.repeats):
                 # static batching: transformers runs the batch to its longest request
-                t_hf, c_hf, out_hf = run_transformers(ref, prompts, max(lengths), a.device)
+                t_hf, c_hf, out_hf = run_transformers(ref, prompts, max(lengths), a.device, a.hf_cache)
                 t_eng, c_eng, out_eng = run_engine(sched, prompts.tolist(), lengths, a.device)
                 hf_times.append(t_hf)
                 eng_times.append(t_eng)
@@ -266,6 +288,9 @@ def main() -> None:
         "fused_projections": not a.no_fuse,
         "decode": sched.decode_mode,
         "decode_reason": sched.decode_reason,
+        "decode_attention": sched.attention,
+        "decode_burst": a.decode_burst,
+        "transformers_cache": a.hf_cache,
         "engine_ready_s": round(engine_start_s, 2),
         "cuda_graphs": len(getattr(sched._lean_step, "graphs", {})),
         "cpus": os.cpu_count(),

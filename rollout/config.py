@@ -52,6 +52,12 @@ class EmbeddedEngineConfig(BaseModel):
         "while no request waits to join and none reaches its length limit; a call (pause, weight update, "
         "abort) waits at most one burst; 1: look at the requests after every step",
     )
+    cpu_attention: Literal["auto", "native", "torch"] = Field(
+        "auto",
+        description="attention of the lean decode on CPU (fp32): a small AVX2 C kernel compiled once with the "
+        "system C compiler (native), or PyTorch's matmuls (torch); auto: native where it builds, else torch "
+        "(/server_info says which and why)",
+    )
 
 
 class SGLangEngineConfig(BaseModel):

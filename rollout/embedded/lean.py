@@ -25,9 +25,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from tidal.rollout.embedded import native_attention
 from tidal.rollout.embedded.kv_cache import KVPool
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
+# CPU decode attention: the native kernel (native_attention.py) where it builds, else PyTorch's matmuls
+CPU_ATTENTION = ("auto", "native", "torch")
 # SDPA kernels for the decode attention: the memory-efficient one takes the length mask and is captured
 # by CUDA graphs; math is the always-available fallback. (cuDNN's builds a plan per shape, which a capture
 # must not do.)
@@ -79,10 +82,12 @@ class _Layer:
 class LeanDecoder:
     """One decode token for rows ``0..n-1`` of the pool: ``logits = decoder(ids, positions, kv_len)``."""
 
-    def __init__(self, lm: nn.Module, pool: KVPool):
+    def __init__(self, lm: nn.Module, pool: KVPool, cpu_attention: str = "auto"):
         reason = unsupported_reason(lm)
         if reason is not None:
             raise ValueError(f"lean decode does not support this model: {reason}")
+        if cpu_attention not in CPU_ATTENTION:
+            raise ValueError(f"cpu_attention={cpu_attention!r}: choose one of {list(CPU_ATTENTION)}")
         config = lm.config
         self.lm = lm
         self.pool = pool
@@ -110,6 +115,7 @@ class LeanDecoder:
         self.embed = lm.model.embed_tokens.weight
         self.final_norm = lm.model.norm.weight
         self.lm_head = lm.get_output_embeddings().weight
+        self.native, self.attention = self._native_attention(cpu_attention)
         self.cos, self.sin = self._rotary_tables(lm, pool.max_seq_len)
         # rotate_half(x) * sin == roll(x, half) * sin_signed (the first half's sign moved onto the table):
         # one roll instead of two slices, a negation and a concatenation, the same products bit for bit
@@ -119,6 +125,27 @@ class LeanDecoder:
         shape = (self.kv_heads, self.head_dim)
         for layer in range(len(self.layers)):
             pool.preallocate(layer, shape, shape, self.dtype)
+
+    def _native_attention(self, requested: str) -> tuple[native_attention.NativeDecodeAttention | None, str]:
+        """The native CPU decode attention and a description of the attention in use (why not native)."""
+        if requested == "torch":
+            return None, "torch (asked for)"
+        problem = None
+        if self.device.type != "cpu":
+            problem = f"the native decode attention is for CPU; this decoder runs on {self.device}"
+        elif self.dtype != torch.float32:
+            problem = f"the native decode attention is fp32; the model is {self.dtype}"
+        elif self.head_dim not in native_attention.SUPPORTED_HEAD_DIMS:
+            problem = f"head_dim {self.head_dim} (native covers {native_attention.SUPPORTED_HEAD_DIMS})"
+        fn, how = (None, problem) if problem else native_attention.load()
+        if fn is None:
+            if requested == "native":
+                raise ValueError(f"cpu_attention='native' is not available: {how}")
+            return None, f"torch ({how})" if self.device.type == "cpu" else "sdpa"
+        kernel = native_attention.NativeDecodeAttention(
+            fn, self.heads, self.kv_heads, self.head_dim, self.pool.max_seq_len, self.scaling
+        )
+        return kernel, how
 
     def _layer(self, layer: nn.Module) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
@@ -162,17 +189,20 @@ class LeanDecoder:
         """
         cos = self.cos[positions][:, None, :]  # [rows, 1, d]: broadcasts over heads
         sin = self.sin_signed[positions][:, None, :]
-        mask = None
-        if masked:
+        native = self.native is not None and not self.sdpa_attention
+        mask = lengths = None
+        if native:
+            lengths = positions + 1  # the keys each row attends
+        elif masked:
             key_pos = torch.arange(kv_len, device=self.device)
             mask = (key_pos[None, :] <= positions[:, None])[:, None, None, :]  # [rows, 1, 1, kv_len]
         with sdpa_backends(self.sdpa_attention):
-            return self._forward(ids, positions, kv_len, cos, sin, mask)
+            return self._forward(ids, positions, kv_len, cos, sin, masked, mask, lengths)
 
-    def _forward(self, ids, positions, kv_len, cos, sin, mask) -> torch.Tensor:
+    def _forward(self, ids, positions, kv_len, cos, sin, masked, mask, lengths) -> torch.Tensor:
         rows = ids.shape[0]
         qk_width = self.qk_heads * self.head_dim
-        row_index = torch.arange(rows, device=self.device) if mask is not None else None
+        row_index = torch.arange(rows, device=self.device) if masked else None
         h = F.embedding(ids, self.embed)
         for index, layer in enumerate(self.layers):
             qkv = F.linear(self._norm(h, layer.input_norm), layer.qkv)
@@ -186,13 +216,16 @@ class LeanDecoder:
             q, k = qk[:, : self.heads], qk[:, self.heads :]
             v = qkv[:, qk_width:].view(rows, self.kv_heads, self.head_dim)
             k_buf, v_buf = self.pool.keys[index], self.pool.values[index]
-            if mask is None:  # every row writes at the same position: a strided copy, no scatter
+            if not masked:  # every row writes at the same position: a strided copy, no scatter
                 k_buf[:rows, :, kv_len - 1] = k
                 v_buf[:rows, :, kv_len - 1] = v
             else:
                 k_buf[row_index, :, positions] = k
                 v_buf[row_index, :, positions] = v
-            attn = self._attend(q, k_buf[:rows, :, :kv_len], v_buf[:rows, :, :kv_len], mask)
+            if lengths is not None:
+                attn = self.native(q, k_buf, v_buf, lengths)
+            else:
+                attn = self._attend(q, k_buf[:rows, :, :kv_len], v_buf[:rows, :, :kv_len], mask)
             h = torch.addmm(h, attn, layer.o_proj.t())  # h + attn @ o_proj^T: the residual in the matmul
             x = self._norm(h, layer.post_norm)
             h = h + (self._mlp(x, layer) if layer.router is None else self._moe(x, layer))

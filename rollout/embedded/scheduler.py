@@ -89,10 +89,12 @@ class Scheduler:
         seed: int = 0,
         decode: str | None = None,
         decode_burst: int = DEFAULT_DECODE_BURST,
+        cpu_attention: str = "auto",
     ):
         """``decode``: one of DECODE_MODES; None picks CUDA graphs on CUDA, else the lean forward, and
         transformers' modules for models the lean forward does not cover (``decode_reason`` says why).
-        ``decode_burst``: lean decode steps run back to back while no request joins or ends by length."""
+        ``decode_burst``: lean decode steps run back to back while no request joins or ends by length.
+        ``cpu_attention``: the lean decode's attention on CPU (lean.CPU_ATTENTION; ``attention`` says which)."""
         self.lm = lm
         self.decoder = lm.get_decoder()
         # transformers renamed ``past_key_values`` to ``cache`` (5.2x); older 5.x ignores ``cache`` silently,
@@ -112,8 +114,10 @@ class Scheduler:
         self.pool = KVPool(lm.config.num_hidden_layers, max_batch_size, max_seq_len, self.device)
         self.decode_mode, self.decode_reason = self._decode_mode(decode)
         self._lean_step: EagerDecode | DecodeGraphs | None = None
+        self.attention = "transformers' modules"
         if self.decode_mode != "transformers":
-            lean = LeanDecoder(lm, self.pool)
+            lean = LeanDecoder(lm, self.pool, cpu_attention=cpu_attention)
+            self.attention = lean.attention
             if self.decode_mode == "lean":
                 self._lean_step = EagerDecode(lean)
             else:
@@ -446,6 +450,7 @@ class Scheduler:
             "free_slots": self.pool.free_slots,
             "decode": self.decode_mode,
             "decode_reason": self.decode_reason,
+            "decode_attention": self.attention,
         }
 
 

@@ -234,11 +234,13 @@ def test_graph_capture_that_fails_is_reported_and_the_padded_step_still_runs():
     )
 
 
+@pytest.mark.parametrize("attention", ["auto", "torch"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_decode_bursts_equal_transformers_and_a_stop_token_ends_its_row_mid_burst(family):
+def test_decode_bursts_equal_transformers_and_a_stop_token_ends_its_row_mid_burst(family, attention):
     """Several lean decode steps per scheduler iteration (tokens read by the host once per burst): a row whose
     stop token comes in the middle of a burst ends exactly there, the others go on, and every row still equals
-    transformers' greedy tokens and teacher-forced logprobs."""
+    transformers' greedy tokens and teacher-forced logprobs; with the native CPU attention where it builds
+    (auto) and with PyTorch's matmuls."""
     # seeds whose greedy output has a first-time token inside the first burst (random tiny models repeat)
     lm = model(family, seed={"qwen3": 17, "qwen3_moe": 16}[family])
     ref = reference(lm)
@@ -255,7 +257,9 @@ def test_decode_bursts_equal_transformers_and_a_stop_token_ends_its_row_mid_burs
         device="cpu",
         eos_token_ids=[],
         decode_burst=8,
+        cpu_attention=attention,
     )
+    assert sched.attention.startswith("torch" if attention == "torch" else ("native", "torch"))
     appended: list[int] = []  # tokens handed to the requests per scheduler iteration
     append = sched._append
 

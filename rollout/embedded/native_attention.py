@@ -1,0 +1,220 @@
+"""Decode attention on CPU as one small C kernel (AVX2), compiled once with the system C compiler.
+
+A decode step's attention is one query per row against that row's cache. PyTorch runs it as two batched
+matmuls of ``rows x kv_heads`` tiny GEMMs (``[group x dim] @ [dim x length]``), whose per-matrix packing
+costs more than the arithmetic: on the default job's model at batch 64 that was about half of the whole
+step. This kernel walks each (row, K/V head) once: the query heads of the group dot eight keys at a time
+(one horizontal-add tree per eight keys), a softmax in fp32, then the probabilities times the values,
+reading the KV pool in place (``[slots, kv_heads, max_seq_len, dim]``, rows are slots ``0..rows-1``, row
+``r`` attends its first ``lengths[r]`` positions). fp32 only; the sums run in another order than the
+matmuls', so results agree with them to rounding (~1e-7), not bit for bit.
+
+The source below is compiled on first use (``cc -O3 -mavx2 -mfma -ffast-math``, well under a second) into
+``$TIDAL_KERNEL_CACHE`` (default ``~/.cache/tidal/kernels``), keyed by a hash of the source and flags, and
+loaded with ctypes, which releases the GIL for the call. Where that cannot happen (no AVX2, no compiler, not
+x86-64, a failed build) :func:`load` says why and the engine keeps PyTorch's matmuls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-ffast-math", "-fPIC", "-shared"]
+_SOURCE = r"""
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <float.h>
+
+/* eight partial-sum vectors -> one vector of their eight sums */
+static inline __attribute__((always_inline)) __m256 reduce8(__m256 a0, __m256 a1, __m256 a2, __m256 a3,
+                                                             __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
+  __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3);
+  __m256 t2 = _mm256_hadd_ps(a4, a5), t3 = _mm256_hadd_ps(a6, a7);
+  t0 = _mm256_hadd_ps(t0, t1);
+  t2 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t2, 0x20), _mm256_permute2f128_ps(t0, t2, 0x31));
+}
+
+static inline __attribute__((always_inline)) __m256 dot8(const float *q, const float *k, int D) {
+  __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+  for (int c = 8; c < D; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + c), acc);
+  return acc;
+}
+
+/* the G query heads of one K/V head over its first L keys; D is a constant after inlining */
+static inline __attribute__((always_inline)) void head(const float *restrict q, const float *restrict k,
+                                                        const float *restrict v, int L, int G, int D,
+                                                        float scale, float *restrict s, float *restrict o) {
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int g = 0; g < G; g++) {
+    const float *qg = q + g * D;
+    int l = 0;
+    for (; l + 8 <= L; l += 8) {
+      const float *kb = k + (int64_t)l * D;
+      __m256 r = reduce8(dot8(qg, kb, D), dot8(qg, kb + D, D), dot8(qg, kb + 2 * D, D),
+                         dot8(qg, kb + 3 * D, D), dot8(qg, kb + 4 * D, D), dot8(qg, kb + 5 * D, D),
+                         dot8(qg, kb + 6 * D, D), dot8(qg, kb + 7 * D, D));
+      _mm256_storeu_ps(s + l, _mm256_mul_ps(r, vscale));
+    }
+    for (; l < L; l++) {
+      __m256 a = dot8(qg, k + (int64_t)l * D, D);
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+      h = _mm_hadd_ps(h, h);
+      h = _mm_hadd_ps(h, h);
+      s[l] = _mm_cvtss_f32(h) * scale;
+    }
+    float mx = -FLT_MAX;
+    for (l = 0; l < L; l++) mx = s[l] > mx ? s[l] : mx;
+    float sum = 0.f;
+    for (l = 0; l < L; l++) {
+      const float e = expf(s[l] - mx);
+      s[l] = e;
+      sum += e;
+    }
+    __m256 acc[32];
+    for (int c = 0; c < D / 8; c++) acc[c] = _mm256_setzero_ps();
+    for (l = 0; l < L; l++) {
+      const __m256 p = _mm256_set1_ps(s[l]);
+      const float *vl = v + (int64_t)l * D;
+      for (int c = 0; c < D / 8; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vl + 8 * c), acc[c]);
+    }
+    const __m256 inv = _mm256_set1_ps(1.f / sum);
+    for (int c = 0; c < D / 8; c++) _mm256_storeu_ps(o + g * D + 8 * c, _mm256_mul_ps(acc[c], inv));
+  }
+}
+
+#define CASE(DIM) case DIM: head(qr, k, v, L, G, DIM, scale, scratch, o); break;
+
+/* q: row r, query head j at q + r * q_row_stride + j * D (heads of a K/V head consecutive);
+   K, V: [slots, KVH, maxlen, D] contiguous; lengths[r] keys for row r; out: [R, KVH * G * D];
+   scratch: maxlen + 8 floats. Returns 0, or -1 for a head dim it was not built for. */
+int tidal_decode_attention(const float *q, int64_t q_row_stride, const float *K, const float *V,
+                           const int64_t *lengths, float *out, int R, int KVH, int G, int D, int maxlen,
+                           float scale, float *scratch) {
+  if (D != 16 && D != 32 && D != 64 && D != 128 && D != 256) return -1;
+  for (int r = 0; r < R; r++) {
+    const int L = (int)lengths[r];
+    for (int h = 0; h < KVH; h++) {
+      const int64_t cache = ((int64_t)r * KVH + h) * maxlen * D;
+      const float *k = K + cache, *v = V + cache;
+      const float *qr = q + r * q_row_stride + (int64_t)h * G * D;
+      float *o = out + ((int64_t)r * KVH + h) * G * D;
+      switch (D) { CASE(16) CASE(32) CASE(64) CASE(128) CASE(256) }
+    }
+  }
+  return 0;
+}
+"""
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("TIDAL_KERNEL_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tidal" / "kernels"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _build(compiler: str, target: Path) -> None:
+    """Compile into a temporary file beside ``target`` and rename it there (engines may build at once)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src = Path(tmp) / "decode_attention.c"
+        src.write_text(_SOURCE)
+        out = Path(tmp) / target.name
+        proc = subprocess.run(
+            [compiler, *_FLAGS, str(src), "-o", str(out), "-lm"], capture_output=True, text=True, timeout=120
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-400:]}")
+        os.replace(out, target)
+
+
+@cache
+def load() -> tuple[ctypes._CFuncPtr | None, str]:
+    """The compiled kernel, or None and why not (the reason is shown in the engine's /server_info)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"the native decode attention is x86-64 (AVX2) code; this is {platform.machine()}"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return None, f"this CPU has no AVX2 (torch reports {capability})"
+    compiler = _compiler()
+    if compiler is None:
+        return None, "no C compiler (cc, gcc or clang, or $CC) to build the native decode attention"
+    digest = hashlib.sha256((_SOURCE + " ".join(_FLAGS)).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"decode_attention-{digest}.so"
+    try:
+        if not target.exists():
+            _build(compiler, target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return None, f"building or loading the native decode attention failed: {exc}"
+    fn = lib.tidal_decode_attention
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, ctypes.c_float, ptr]
+    fn.restype = ctypes.c_int
+    return fn, f"native (AVX2 kernel at {target})"
+
+
+class NativeDecodeAttention:
+    """Calls the kernel for one layer's decode attention over the pool's buffers of that layer."""
+
+    def __init__(self, fn, heads: int, kv_heads: int, head_dim: int, max_seq_len: int, scaling: float):
+        if head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(
+                f"head_dim {head_dim} (the native decode attention covers {SUPPORTED_HEAD_DIMS})"
+            )
+        self.fn = fn
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.scaling = scaling
+        self.scratch = torch.empty(max_seq_len + 8, dtype=torch.float32)
+
+    def __call__(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor
+    ) -> torch.Tensor:
+        """``q`` ``[rows, heads, dim]`` (heads contiguous, any row stride); ``keys``/``values`` a layer's whole
+        pool buffers; ``lengths`` int64 ``[rows]``, each <= the buffers' length -> ``[rows, heads * dim]``."""
+        rows = q.shape[0]
+        if not (q.stride(2) == 1 and q.stride(1) == self.head_dim and keys.is_contiguous()):
+            raise ValueError("native decode attention: unexpected tensor layout")
+        if rows > keys.shape[0] or keys.shape[2] + 8 > self.scratch.numel():
+            raise ValueError(
+                f"native decode attention: {rows} rows or length {keys.shape[2]} exceed the pool"
+            )
+        out = torch.empty(rows, self.heads * self.head_dim, dtype=torch.float32)
+        status = self.fn(
+            q.data_ptr(),
+            q.stride(0),
+            keys.data_ptr(),
+            values.data_ptr(),
+            lengths.data_ptr(),
+            out.data_ptr(),
+            rows,
+            self.kv_heads,
+            self.heads // self.kv_heads,
+            self.head_dim,
+            keys.shape[2],
+            self.scaling,
+            self.scratch.data_ptr(),
+        )
+        if status != 0:
+            raise ValueError(f"native decode attention: head_dim {self.head_dim} not built")
+        return out
