@@ -206,13 +206,7 @@ class LeanDecoder:
         h = F.embedding(ids, self.embed)
         for index, layer in enumerate(self.layers):
             qkv = F.linear(self._norm(h, layer.input_norm), layer.qkv)
-            # the query and key heads normalised together (one rms_norm), each scaled by its own weight,
-            # and rotated together
-            qk = qkv[:, :qk_width].view(rows, self.qk_heads, self.head_dim)
-            qk = F.rms_norm(qk.float(), (self.head_dim,), eps=self.eps).to(self.dtype)
-            qk[:, : self.heads].mul_(layer.q_norm)
-            qk[:, self.heads :].mul_(layer.k_norm)
-            qk = qk * cos + torch.roll(qk, self.head_dim // 2, dims=-1) * sin
+            qk = self._rotated_qk(qkv, layer, cos, sin)
             q, k = qk[:, : self.heads], qk[:, self.heads :]
             v = qkv[:, qk_width:].view(rows, self.kv_heads, self.head_dim)
             k_buf, v_buf = self.pool.keys[index], self.pool.values[index]
@@ -231,6 +225,17 @@ class LeanDecoder:
             h = h + (self._mlp(x, layer) if layer.router is None else self._moe(x, layer))
         h = self._norm(h, self.final_norm)
         return F.linear(h, self.lm_head)
+
+    def _rotated_qk(
+        self, qkv: torch.Tensor, layer: _Layer, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """``[..., qkv width]`` -> the query and key heads ``[..., heads + kv_heads, dim]``, normalised together
+        (one rms_norm), each scaled by its own weight, and rotated together."""
+        qk = qkv[..., : self.qk_heads * self.head_dim].unflatten(-1, (self.qk_heads, self.head_dim))
+        qk = F.rms_norm(qk.float(), (self.head_dim,), eps=self.eps).to(self.dtype)
+        qk[..., : self.heads, :].mul_(layer.q_norm)
+        qk[..., self.heads :, :].mul_(layer.k_norm)
+        return qk * cos + torch.roll(qk, self.head_dim // 2, dims=-1) * sin
 
     def _attend(self, q, keys, values, mask) -> torch.Tensor:
         """One query per row over its cache.

@@ -366,13 +366,17 @@ class Scheduler:
         """Give each request its new tokens in order, up to the one that finishes it (the rest are dropped)."""
         done = []
         for req, toks, lps in zip(reqs, tokens, logprobs, strict=True):
-            for tok, lp in zip(toks, lps, strict=True):
-                req.output_ids.append(tok)
-                req.output_logprobs.append(lp)
-                reason = self._finish_reason(req, tok)
-                if reason is not None:
-                    done.append((req, reason))
-                    break
+            p = req.params
+            room = min(p.max_new_tokens, self.max_seq_len - len(req.input_ids)) - len(req.output_ids)
+            take = max(1, min(len(toks), room))
+            stops = set(p.stop_token_ids) if p.ignore_eos else self.eos_token_ids.union(p.stop_token_ids)
+            if stops:
+                take = next((i + 1 for i, tok in enumerate(toks[:take]) if tok in stops), take)
+            req.output_ids += toks[:take]
+            req.output_logprobs += lps[:take]
+            reason = self._finish_reason(req, toks[take - 1])
+            if reason is not None:
+                done.append((req, reason))
         for req, reason in done:
             self._finish(req, reason)
 
