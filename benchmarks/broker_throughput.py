@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ from tidal.broker.types import Group, Sample
 from tidal.procs import free_port, stop
 
 PRODUCERS = 2
+BATCH_WAIT_S = 120.0  # a consumer that gets no batch this long gives up (a producer died)
 META = {
     "data_source": "openai/gsm8k",
     "finish_reason": "stop",
@@ -93,6 +95,7 @@ def _zmq_producer(address: str, tokens: int, n: int, go, cpu) -> None:
 def run_zmq(tokens: int, n: int) -> tuple[float, int, dict[str, float]]:
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVTIMEO, int(BATCH_WAIT_S * 1000))  # a producer died: zmq.Again, not a hang
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     go, cpu = mp.Event(), mp.Queue()
     procs = [
@@ -201,60 +204,63 @@ def _broker_producer(
     asyncio.run(main())
 
 
+@dataclass
+class BrokerOptions:
+    """How the broker method runs (the command line's broker flags)."""
+
+    group_size: int = 8
+    per_lease: int = 4
+    in_flight: int = 4
+    batch_groups: int = BrokerConfig().batch_groups
+    wait_acks: bool = False
+    journal_reads: bool = True
+    request_leases: bool = False
+    # The consumer publishes a policy version after each batch, as the trainer does after each step, and
+    # the broker admits by its staleness bound (this eta; "keep": nothing is dropped): the groups held
+    # stay bounded and the broker reuses its memory. None: no versions, admission wide open (producers
+    # may run arbitrarily far ahead of the consumer).
+    max_staleness: int | None = BrokerConfig().max_staleness
+    wait_reports: bool = False  # the consumer waits for each report_consumed / publish_version reply
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
 def run_broker(
-    tokens: int,
-    n: int,
-    group_size: int,
-    per_lease: int,
-    in_flight: int,
-    workdir: Path,
-    extra: dict[str, Any] | None = None,
-    batch_groups: int = BrokerConfig().batch_groups,
-    wait_acks: bool = False,
-    journal_reads: bool = True,
-    request_leases: bool = False,
+    tokens: int, n: int, workdir: Path, opts: BrokerOptions
 ) -> tuple[float, int, dict[str, float]]:
-    groups_total = n // group_size
+    groups_total = n // opts.group_size
     per_producer = groups_total // PRODUCERS
-    batch_groups = max(1, min(batch_groups, per_producer))
+    batch_groups = max(1, min(opts.batch_groups, per_producer))
     run_dir = Path(tempfile.mkdtemp(prefix=f"broker{tokens}-", dir=workdir))
+    publish = opts.max_staleness is not None
     proc, address = start_broker(
         run_dir,
         groups_total + 8,
         port=free_port(),
-        group_size=group_size,
+        group_size=opts.group_size,
         batch_groups=batch_groups,
-        max_staleness=1_000_000,
+        max_staleness=opts.max_staleness if publish else 1_000_000,
+        staleness_policy="keep",
         max_frame_bytes=1 << 30,
-        **(extra or {}),
+        **opts.extra,
     )
+    procs: list[mp.Process] = []
     try:
         go, cpu = mp.Event(), mp.Queue()
+        args = (opts.per_lease, opts.in_flight, opts.wait_acks, opts.request_leases)
         procs = [
             mp.Process(
                 target=_broker_producer,
-                args=(
-                    address,
-                    tokens,
-                    per_producer,
-                    group_size,
-                    per_lease,
-                    in_flight,
-                    wait_acks,
-                    request_leases,
-                    go,
-                    cpu,
-                ),
+                args=(address, tokens, per_producer, opts.group_size, *args, go, cpu),
             )
             for _ in range(PRODUCERS)
         ]
         for p in procs:
             p.start()
         # The consumer is tidal's trainer feed (trainer/main.py): the next batch is fetched on a thread
-        # while the current one is consumed and reported on a second connection.
+        # while the current one is consumed, and versions and progress go out on a second connection.
         with (
             BrokerClient(address, timeout_s=120) as trainer,
-            BrokerClient(address, timeout_s=120, read_journal=journal_reads) as fetcher,
+            BrokerClient(address, timeout_s=120, read_journal=opts.journal_reads) as fetcher,
             ThreadPoolExecutor(max_workers=1) as pool,
         ):
             trainer.register("trainer", "bench")
@@ -265,30 +271,43 @@ def run_broker(
             t0, c0 = time.perf_counter(), time.process_time()
             groups_left = per_producer * PRODUCERS
             sizes = [min(batch_groups, groups_left - i) for i in range(0, groups_left, batch_groups)]
-            ahead = pool.submit(fetcher.get_batch, -1, sizes[0])
+            ahead = pool.submit(fetcher.get_batch, -1, sizes[0], BATCH_WAIT_S)
             received = 0
+            wait = opts.wait_reports
             for i in range(len(sizes)):
                 batch = ahead.result()
+                if batch is None:
+                    codes = [p.exitcode for p in procs]
+                    raise RuntimeError(f"no batch within {BATCH_WAIT_S} s; producer exit codes {codes}")
                 if i + 1 < len(sizes):
-                    ahead = pool.submit(fetcher.get_batch, batch.batch_id, sizes[i + 1])
+                    ahead = pool.submit(fetcher.get_batch, batch.batch_id, sizes[i + 1], BATCH_WAIT_S)
                 received += sum(len(g.samples) for g in batch.groups)
-                trainer.report_consumed(batch.batch_id)
+                if publish:
+                    trainer.publish_version(batch.batch_id + 1, wait=wait)
+                trainer.report_consumed(batch.batch_id, wait=wait)
             elapsed, consumer = time.perf_counter() - t0, time.process_time() - c0
             broker = _cpu_seconds(proc.pid) - broker0
             threads = _thread_cpu_seconds(proc.pid)
-            # ZeroMQ's I/O thread (receiving and sending group frames) apart from the Python threads
-            # (event loop, journal writer): where the broker's time goes.
+            # By thread: ZeroMQ's I/O thread (receiving group frames), the event loop ("python"), the
+            # journal's writer and fsync threads: where the broker's time goes.
             per = {
                 k: round((v - threads0.get(k, 0.0)) / max(received, 1) * 1e6, 1)
                 for k, v in threads.items()
                 if v - threads0.get(k, 0.0) > 0
             }
-            print(f"    broker threads, CPU us/sample: {per}", file=sys.stderr)
+            print(
+                f"    broker threads, CPU us/sample: {per}; broker peak RSS {_peak_rss_mb(proc.pid):.0f} MB",
+                file=sys.stderr,
+            )
         producers = sum(cpu.get() for _ in procs)
         for p in procs:
             p.join()
         return elapsed, received, {"producers": producers, "broker": broker, "consumer": consumer}
     finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
         stop(proc)
         shutil.rmtree(run_dir, ignore_errors=True)  # its journal: GBs at 32K tokens
 
@@ -304,6 +323,14 @@ def _thread_cpu_seconds(pid: int) -> dict[str, float]:
             continue
         out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return out
+
+
+def _peak_rss_mb(pid: int) -> float:
+    """Peak resident memory of a running process, MB (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -419,6 +446,25 @@ def main(argv: list[str] | None = None) -> int:
         help="the consumer gets group frames on the wire even on the broker's host (as a trainer on "
         "another machine does) instead of reading them from the journal",
     )
+    ap.add_argument(
+        "--max-staleness",
+        type=int,
+        default=BrokerConfig().max_staleness,
+        help="the broker's eta (policy keep); the consumer publishes a version after each batch as the "
+        "trainer does after each step, so admission bounds what the broker holds (default: the broker's)",
+    )
+    ap.add_argument(
+        "--open-admission",
+        action="store_true",
+        help="publish no versions and open the staleness bound wide: producers run as far ahead of the "
+        "consumer as they can (how the benchmark ran before; the broker then holds most of the run)",
+    )
+    ap.add_argument(
+        "--wait-reports",
+        action="store_true",
+        help="the consumer waits for each report_consumed / publish_version reply (a durable round trip "
+        "per batch) instead of sending them without waiting",
+    )
     ap.add_argument("--ray-batch", type=int, default=64, help="samples per put/get call for ray_queue")
     ap.add_argument("--no-ray", action="store_true", help="skip the Ray baselines")
     ap.add_argument(
@@ -441,9 +487,43 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             print("ray is not installed (make bench-deps): skipping the Ray baselines", file=sys.stderr)
     extra = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.broker_set)}
-    guess = {"zmq": 40_000, "broker": 30_000, "ray_deque": 500, "ray_queue": 4_000}
+    opts = BrokerOptions(
+        group_size=args.group_size,
+        per_lease=args.per_lease,
+        in_flight=args.in_flight,
+        batch_groups=args.batch_groups,
+        wait_acks=args.wait_acks,
+        journal_reads=not args.no_journal_reads,
+        request_leases=args.request_leases,
+        max_staleness=None if args.open_admission else args.max_staleness,
+        wait_reports=args.wait_reports,
+        extra=extra,
+    )
     workdir = Path(tempfile.mkdtemp(prefix="broker-bench-"))
-    results: dict[int, dict[str, list[dict[str, float]]]] = {}
+    try:
+        results = run_all(args, methods, opts, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)  # journals of GBs: never leave them behind
+    table = summarise(results, methods)
+    print_table(table, methods)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(
+            json.dumps(
+                {"args": {k: str(v) for k, v in vars(args).items()}, "runs": results, "summary": table},
+                indent=2,
+            )
+        )
+        print(f"wrote {args.out}")
+    return 0
+
+
+def run_all(
+    args: argparse.Namespace, methods: list[str], opts: BrokerOptions, workdir: Path
+) -> dict[int, dict[str, list[dict[str, Any]]]]:
+    """Every method at every size, ``args.repeats`` times, interleaved (one repeat of each in turn)."""
+    guess = {"zmq": 40_000, "broker": 30_000, "ray_deque": 500, "ray_queue": 4_000}
+    results: dict[int, dict[str, list[dict[str, Any]]]] = {}
     for tokens in args.sizes:
         results[tokens] = {m: [] for m in methods}
         for rep in range(args.repeats):
@@ -453,19 +533,7 @@ def main(argv: list[str] | None = None) -> int:
                 if method == "zmq":
                     elapsed, got, cpu = run_zmq(tokens, n)
                 elif method == "broker":
-                    elapsed, got, cpu = run_broker(
-                        tokens,
-                        n,
-                        args.group_size,
-                        args.per_lease,
-                        args.in_flight,
-                        workdir,
-                        extra,
-                        args.batch_groups,
-                        args.wait_acks,
-                        not args.no_journal_reads,
-                        args.request_leases,
-                    )
+                    elapsed, got, cpu = run_broker(tokens, n, workdir, opts)
                 elif method == "ray_deque":
                     elapsed, got = run_ray_deque(tokens, n), n // PRODUCERS * PRODUCERS
                 else:
@@ -487,19 +555,7 @@ def main(argv: list[str] | None = None) -> int:
                     + (f"   CPU us/sample: {shown} (total {sum(cpu_us.values()):.1f})" if cpu_us else ""),
                     file=sys.stderr,
                 )
-    shutil.rmtree(workdir, ignore_errors=True)
-    table = summarise(results, methods)
-    print_table(table, methods)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(
-            json.dumps(
-                {"args": {k: str(v) for k, v in vars(args).items()}, "runs": results, "summary": table},
-                indent=2,
-            )
-        )
-        print(f"wrote {args.out}")
-    return 0
+    return results
 
 
 def summarise(results: dict[int, dict[str, list[dict[str, float]]]], methods: list[str]) -> dict[str, Any]:

@@ -445,6 +445,14 @@ class BrokerClient:
                 _raise_for(rtype, rbody, type_)
                 return rbody, reply[1:]
 
+    def _send_only(self, type_: str, body: dict[str, Any]) -> None:
+        """Send a request whose reply nobody waits for (the next call's loop skips it)."""
+        self._sock.sndtimeo = max(1, int(self.timeout_s * 1000))
+        try:
+            self._sock.send_multipart([proto.encode_envelope(type_, next(self._ids), body)], copy=False)
+        except zmq.Again:
+            raise BrokerTimeout(_timeout_msg(type_, self.address, self.timeout_s)) from None
+
     def register(self, role: str, name: str, meta: dict | None = None) -> str:
         self._registration = {"role": role, "name": name, "meta": meta or {}}
         body, _ = self._call("register", self._registration)
@@ -479,9 +487,13 @@ class BrokerClient:
     def policy_version(self) -> int:
         return self._call("policy_version", {})[0]["policy_version"]
 
-    def publish_version(self, version: int) -> None:
-        """The trainer's policy version after an optimizer step."""
-        self._call("publish_version", {"version": version})
+    def publish_version(self, version: int, wait: bool = True) -> None:
+        """The trainer's policy version after an optimizer step. With ``wait=False`` it is only sent (the
+        broker applies requests of one connection in order; the next call skips the reply)."""
+        if wait:
+            self._call("publish_version", {"version": version})
+        else:
+            self._send_only("publish_version", {"version": version})
 
     def get_batch(
         self, after: int, num_groups: int | None = None, timeout_s: float | None = None
@@ -507,9 +519,16 @@ class BrokerClient:
             if body.get("batch") or body.get("finished") or (deadline and time.monotonic() >= deadline):
                 return _batch(body, frames)
 
-    def report_consumed(self, batch_id: int) -> None:
-        """The trainer trained through ``batch_id`` durably (checkpointed); a restart resumes after it."""
-        self._call("report_consumed", {"batch_id": batch_id})
+    def report_consumed(self, batch_id: int, wait: bool = True) -> None:
+        """The trainer trained through ``batch_id`` durably (checkpointed); a restart resumes after it.
+
+        With ``wait=False`` the report is only sent: the next call skips its reply. Reports are
+        cumulative, so one that is lost (a broker restart) is covered by the next one; until then the
+        broker holds those batches and a restarted trainer may be served them again."""
+        if wait:
+            self._call("report_consumed", {"batch_id": batch_id})
+        else:
+            self._send_only("report_consumed", {"batch_id": batch_id})
 
     def stats(self) -> dict:
         return self._call("stats", {})[0]

@@ -98,6 +98,8 @@ class BrokerServer:
         self._drain_scheduled = False
         self.tick_s = min(0.25, config.lease_timeout_s / 4, config.node_timeout_s / 4)
         self.host = host_id()
+        # Where local readers find the journal (compaction replaces the file under the same path).
+        self._journal_path = str(state.journal.path.resolve()) if state.journal is not None else ""
 
     # ------------------------------------------------------------------ loop
     async def serve(self, stop: asyncio.Event) -> None:
@@ -424,7 +426,7 @@ class BrokerServer:
             # client reads them there, so they do not cross loopback a second time.
             file_id, where = refs
             body["batch"]["journal"] = {
-                "path": str(self.state.journal.path.resolve()),
+                "path": self._journal_path,
                 "file_id": file_id,
                 "refs": where,
             }

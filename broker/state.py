@@ -11,6 +11,7 @@ An expired, released or abandoned lease puts its groups back at the front of the
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from collections import Counter, deque
@@ -64,6 +65,10 @@ class BrokerState:
         self._scanned_version: int | None = None
         self._unscanned: list[str] = []
         self._compact_checked_at = 0  # journal size when maybe_compact last summed the live bytes
+        # Lease ids: a random prefix per broker process and a counter (uuid4 per lease read os.urandom
+        # every time); leases do not survive a restart, and the prefix keeps ids of two runs apart.
+        self._lease_prefix = uuid.uuid4().hex[:16]
+        self._lease_count = itertools.count()
 
     # ---------------------------------------------------------------- journal
     def _log(self, kind: Kind, payload: bytes | memoryview) -> None:
@@ -182,7 +187,8 @@ class BrokerState:
         if not ids:
             return None
         groups = {g: PromptGroup(g, self.source.row_of(g), self.cfg.group_size) for g in ids}
-        lease = LeaseState(uuid.uuid4().hex, node.node_id, now + self.cfg.lease_timeout_s, groups)
+        lease_id = f"{self._lease_prefix}{next(self._lease_count):x}"
+        lease = LeaseState(lease_id, node.node_id, now + self.cfg.lease_timeout_s, groups)
         self.leases[lease.lease_id] = lease
         node.leases.add(lease.lease_id)
         return Lease(lease.lease_id, lease.deadline, list(groups.values()))
