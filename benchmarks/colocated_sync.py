@@ -28,12 +28,13 @@ import statistics
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import torch
 
 from tidal.model_config import ModelConfig
-from tidal.procs import free_port, spawn, stop, wait_for_tcp
+from tidal.procs import free_port, spawn, stop, tail, wait_for_tcp
 from tidal.weights_sync.colocated import ColocatedSender
 from tidal.weights_sync.config import WeightSyncConfig
 from tidal.weights_sync.engine_api import EngineEndpoint
@@ -93,11 +94,13 @@ def serve_engine(args) -> int:
             t0 = time.perf_counter()
             try:
                 named = parse_request(body)
-            except IpcPayloadError as exc:
-                return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
-            torch.cuda.current_stream().synchronize()  # the sender's pack (the IPC event) is done
-            t1 = time.perf_counter()
-            loader.load(named)
+                torch.cuda.current_stream().synchronize()  # the sender's pack (the IPC event) is done
+                t1 = time.perf_counter()
+                loader.load(named)
+            except Exception as exc:  # the trainer side only sees a failed engine: say why here
+                traceback.print_exc()
+                status = 400 if isinstance(exc, IpcPayloadError) else 500
+                return JSONResponse({"success": False, "message": str(exc)}, status_code=status)
             torch.cuda.current_stream().synchronize()
             stats["load_s"] += time.perf_counter() - t1
             stats["decode_s"] += t1 - t0
@@ -168,7 +171,10 @@ def run(args) -> dict:
                 report = sender.sync(source, version=repeat)
                 engine_stats = http.post("/tidal/stats").json()
                 if not report.ok or engine_stats["bytes"] != report.bytes:
-                    raise RuntimeError(f"sync failed: {report} engine {engine_stats}")
+                    log_tail = tail(logdir / "colocated_engine.log", 60)
+                    raise RuntimeError(
+                        f"sync failed: {report} engine {engine_stats}\nengine log:\n{log_tail}"
+                    )
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 for t in state.values():

@@ -53,11 +53,6 @@ def _transformers(directory: Path, dtype: torch.dtype, device):
     return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
 
 
-def _error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """max |got - want| relative to max |want| (logits of one comparison)."""
-    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
-
-
 def _megatron(model: ModelConfig, hf: dict, dtype: torch.dtype, device):
     tconfig = models.transformer_config(model, MeshConfig(), bf16=dtype == torch.bfloat16)
     chunks = models.build_model(model, tconfig, seed=1)
@@ -68,9 +63,44 @@ def _megatron(model: ModelConfig, hf: dict, dtype: torch.dtype, device):
     return chunks, tconfig, mapping, loaded
 
 
+class _Routes:
+    """Every MoE layer's chosen experts per token in one forward pass: [layers, tokens, experts] booleans.
+
+    Hooks on megatron-core's ``TopKRouter`` (its routing map; tokens sequence-major) and transformers'
+    ``Qwen3_5MoeTopKRouter`` (its top-k indices; tokens batch-major).
+    """
+
+    def __init__(self, *models) -> None:
+        self.maps: list[torch.Tensor] = []
+        self.handles = [
+            module.register_forward_hook(self._hook)
+            for model in models
+            for module in model.modules()
+            if type(module).__name__ in ("TopKRouter", "Qwen3_5MoeTopKRouter")
+        ]
+
+    def _hook(self, module, args, output) -> None:
+        if type(module).__name__ == "TopKRouter":
+            self.maps.append(output[1].detach().bool())
+        else:
+            indices = output[2].detach()
+            experts = output[0].shape[-1]
+            chosen = torch.zeros(indices.shape[0], experts, dtype=torch.bool, device=indices.device)
+            self.maps.append(chosen.scatter_(1, indices, True))
+
+    def take(self) -> torch.Tensor:
+        maps, self.maps = torch.stack(self.maps), []
+        return maps
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
 @torch.no_grad()
 def _logits(chunk, ref, ids: torch.Tensor, device) -> dict:
-    """Batch logits, and packed-THD logits of the two sequences, from megatron-core and transformers."""
+    """Batch logits, and packed-THD logits of the two sequences, from megatron-core and transformers, with
+    each token's experts in every layer (``*_routes``; tokens batch-major, as the logits)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     batch = ids[:, : min(LENGTHS)]
@@ -86,11 +116,39 @@ def _logits(chunk, ref, ids: torch.Tensor, device) -> dict:
     )
     packed_ids = torch.cat(seqs)[None]
     packed_pos = torch.cat([torch.arange(n, device=device) for n in LENGTHS])[None]
+    routes = _Routes(chunk, ref)
+    out = dict(megatron_batch=chunk(batch, positions, None))
+    layers, _, experts = (maps := routes.take()).shape
+    b, s = batch.shape  # megatron's tokens are sequence-major
+    out["megatron_batch_routes"] = (
+        maps.view(layers, s, b, experts).transpose(1, 2).reshape(layers, b * s, experts)
+    )
+    out["megatron_packed"] = chunk(packed_ids, packed_pos, None, packed_seq_params=params)[0]
+    out["megatron_packed_routes"] = routes.take()
+    out["ref_batch"] = ref(batch).logits
+    out["ref_batch_routes"] = routes.take()
+    ref_packed, ref_packed_routes = [], []
+    for seq in seqs:  # transformers' reference: each sequence on its own
+        ref_packed.append(ref(seq[None]).logits[0])
+        ref_packed_routes.append(routes.take())
+    out["ref_packed"] = torch.cat(ref_packed)
+    out["ref_packed_routes"] = torch.cat(ref_packed_routes, dim=1)
+    routes.close()
+    return out
+
+
+def _compare(got: dict, want: dict, got_key: str, want_key: str) -> dict:
+    """Error of logits ``got[got_key]`` against ``want[want_key]`` over all tokens, and over the tokens whose
+    experts agree in every layer (a token whose router scores nearly tie can pick another expert after
+    bf16 rounding, a discrete change of its logits), with the fraction of tokens that picked differently."""
+    a, b = got[got_key].float(), want[want_key].float()
+    per_token = ((a - b).abs().amax(-1) / b.abs().max()).reshape(-1)
+    agree = (got[f"{got_key}_routes"] == want[f"{want_key}_routes"]).all(-1).all(0)
     return dict(
-        megatron_batch=chunk(batch, positions, None),
-        megatron_packed=chunk(packed_ids, packed_pos, None, packed_seq_params=params)[0],
-        ref_batch=ref(batch).logits,
-        ref_packed=torch.cat([ref(s[None]).logits[0] for s in seqs]),
+        all=float(per_token.max()),
+        agreeing=float(per_token[agree].max()) if bool(agree.any()) else math.nan,
+        flipped=float(1 - agree.float().mean()),
+        worst_token_flipped=not bool(agree[per_token.argmax()]),
     )
 
 
@@ -121,8 +179,8 @@ def main() -> None:
     result["gated_delta_rule"] = chunks32[0].tidal_gated_delta_rule
     result["fla_backward_refusal"] = fla_backward_refusal()
     out = _logits(chunks32[0], ref32, ids, device)
-    result["fp32_batch_error"] = _error(out["megatron_batch"], out["ref_batch"])
-    result["fp32_packed_error"] = _error(out["megatron_packed"], out["ref_packed"])
+    for layout in ("batch", "packed"):
+        result[f"fp32_{layout}"] = _compare(out, out, f"megatron_{layout}", f"ref_{layout}")
     del chunks32
 
     # bf16: megatron-core vs fp32 transformers, next to transformers' own bf16 error
@@ -130,10 +188,9 @@ def main() -> None:
     chunks, tconfig, mapping, _ = _megatron(model, hf, torch.bfloat16, device)
     out = _logits(chunks[0], ref32, ids, device)
     out16 = _logits(chunks[0], ref16, ids, device)
-    result["bf16_batch_error"] = _error(out["megatron_batch"], out["ref_batch"])
-    result["bf16_packed_error"] = _error(out["megatron_packed"], out["ref_packed"])
-    result["transformers_bf16_batch_error"] = _error(out16["ref_batch"], out["ref_batch"])
-    result["transformers_bf16_packed_error"] = _error(out16["ref_packed"], out["ref_packed"])
+    for layout in ("batch", "packed"):
+        result[f"bf16_{layout}"] = _compare(out, out, f"megatron_{layout}", f"ref_{layout}")
+        result[f"transformers_bf16_{layout}"] = _compare(out16, out, f"ref_{layout}", f"ref_{layout}")
 
     # one GRPO step in bf16 with the distributed optimizer, on packed sequences
     _phase("one GRPO step")
@@ -172,8 +229,21 @@ def main() -> None:
     engine16 = engine16.to(device)
     out = _logits(chunks[0], engine, ids, device)
     out16 = _logits(chunks[0], engine16, ids, device)
-    result["synced_bf16_error"] = _error(out["megatron_batch"], out["ref_batch"])
-    result["synced_transformers_bf16_error"] = _error(out16["ref_batch"], out["ref_batch"])
+    result["synced_bf16"] = _compare(out, out, "megatron_batch", "ref_batch")
+    result["synced_transformers_bf16"] = _compare(out16, out, "ref_batch", "ref_batch")
+    # what was exported is what was trained: the export mapped back equals every trained parameter bitwise
+    trained = {n.removeprefix("module."): p for n, p in chunks[0].named_parameters()}
+    back = dict(mapping.to_megatron(dict(exported)))
+    compared = sorted(set(back) & set(trained))
+    result["reimport_compared"] = len(compared)
+    result["reimport_trained_params"] = len(trained)
+    result["reimport_mismatch"] = [
+        n for n in compared if not torch.equal(trained[n].detach().float().cpu(), back[n].float())
+    ]
+    # and in fp32 (no bf16 rounding, so no flipped experts): a fresh megatron-core model of the export
+    synced32, _, _, _ = _megatron(model, dict(exported), torch.float32, device)
+    out32 = _logits(synced32[0], engine, ids, device)
+    result["synced_fp32"] = _compare(out32, out32, "megatron_batch", "ref_batch")
     parallel.shutdown()
     _phase("done")
     print(json.dumps(result))

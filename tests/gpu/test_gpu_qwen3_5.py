@@ -4,13 +4,19 @@ Needs CUDA and flash-linear-attention (megatron-core's GatedDeltaNet runs fla's 
 no CPU path). The child (``child_families_qwen3_5.py``) measures; this file judges:
 
 - fp32: megatron-core's logits equal transformers' within ``FP32_RTOL`` of the largest logit, for a batch
-  and for two sequences packed in one THD row (the trainer's layout; fla's varlen kernels);
+  and for two sequences packed in one THD row (the trainer's layout);
 - bf16: megatron-core in bf16 is as close to the fp32 reference as transformers in bf16 is, within a
   factor ``BF16_FACTOR`` (both round weights and activations to 8 mantissa bits; the two implementations
-  round in different places), and never further than ``BF16_RTOL`` of the largest logit;
-- one GRPO step with the distributed optimizer is finite and moves every parameter, Gated DeltaNet's too;
-- the weights after the step, exported through the weight mapping (what weights_sync sends) and loaded by
-  the embedded engine's loader into transformers' Qwen3.5, give megatron-core's logits (bf16 bounds).
+  round in different places), and never further than ``BF16_RTOL`` of the largest logit, on the tokens
+  whose experts agree with the reference's in every layer; it changes experts (near-tied router scores
+  rounded the other way) on no more tokens than ``FLIP_FACTOR`` x transformers' bf16 plus ``FLIP_SLACK``;
+- one GRPO step with the distributed optimizer is finite and moves every parameter, Gated DeltaNet's too
+  (``trainer.kernels.gated_delta_rule=auto``: fla's kernel, or megatron's torch rule where fla refuses its
+  backward, as on the H200's Triton 3.6);
+- the weights after the step, exported through the weight mapping (what weights_sync sends), map back to
+  the trained parameters bitwise, and loaded by the embedded engine's loader into transformers' Qwen3.5
+  give megatron-core's logits (fp32 bounds for a megatron-core model of the export, bf16 bounds for the
+  trained model).
 """
 
 from __future__ import annotations
@@ -23,6 +29,11 @@ pytestmark = pytest.mark.gpu
 FP32_RTOL = 5e-3
 BF16_FACTOR = 2.0
 BF16_RTOL = 5e-2
+# a token whose router scores nearly tie may pick another expert once activations are rounded to bf16 (a
+# discrete jump of its logits, in transformers' bf16 as in megatron-core's); such tokens are counted, and
+# megatron-core may flip at most twice as many as transformers does plus 4 of the 48 tokens
+FLIP_FACTOR = 2.0
+FLIP_SLACK = 4 / 48
 
 
 def _fla_skip_reason() -> str | None:
@@ -60,14 +71,20 @@ def test_gated_delta_rule_is_flas_unless_fla_refuses_its_backward(run):
 
 @pytest.mark.parametrize("layout", ["batch", "packed"])
 def test_fp32_logits_match_transformers(run, layout):
-    assert run[f"fp32_{layout}_error"] < FP32_RTOL, run
+    assert run[f"fp32_{layout}"]["all"] < FP32_RTOL, run
+
+
+def check_bf16(result: dict, reference: dict, what: str) -> None:
+    """megatron-core in bf16 (``result``) against the fp32 reference, beside transformers in bf16
+    (``reference``): it changes experts no more often, and where the experts agree it is as close."""
+    assert result["flipped"] <= FLIP_FACTOR * reference["flipped"] + FLIP_SLACK, (what, result, reference)
+    assert result["agreeing"] < BF16_RTOL, (what, result, reference)
+    assert result["agreeing"] <= BF16_FACTOR * reference["agreeing"] + FP32_RTOL, (what, result, reference)
 
 
 @pytest.mark.parametrize("layout", ["batch", "packed"])
 def test_bf16_logits_match_transformers(run, layout):
-    error, reference = run[f"bf16_{layout}_error"], run[f"transformers_bf16_{layout}_error"]
-    assert error < BF16_RTOL, run
-    assert error <= BF16_FACTOR * reference + FP32_RTOL, run
+    check_bf16(run[f"bf16_{layout}"], run[f"transformers_bf16_{layout}"], layout)
 
 
 def test_one_train_step_moves_every_trained_parameter(run):
@@ -87,8 +104,12 @@ def test_one_train_step_moves_every_trained_parameter(run):
     }, gdn
 
 
-def test_exported_weights_give_megatron_logits_in_transformers(run):
+def test_exported_weights_are_the_trained_ones_and_give_megatron_logits_in_transformers(run):
     assert run["exported_names_match"]
-    error, reference = run["synced_bf16_error"], run["synced_transformers_bf16_error"]
-    assert error < BF16_RTOL, run
-    assert error <= BF16_FACTOR * reference + FP32_RTOL, run
+    # the export mapped back equals every trained parameter bitwise
+    assert run["reimport_compared"] == run["reimport_trained_params"] > 0, run
+    assert run["reimport_mismatch"] == [], run["reimport_mismatch"]
+    # fp32: a megatron-core model of the export against transformers loaded by the engine's loader
+    assert run["synced_fp32"]["all"] < FP32_RTOL, run["synced_fp32"]
+    # bf16: the trained model itself against that fp32 reference, beside transformers in bf16
+    check_bf16(run["synced_bf16"], run["synced_transformers_bf16"], "synced")
