@@ -138,17 +138,25 @@ def _logits(chunk, ref, ids: torch.Tensor, device) -> dict:
 
 
 def _compare(got: dict, want: dict, got_key: str, want_key: str) -> dict:
-    """Error of logits ``got[got_key]`` against ``want[want_key]`` over all tokens, and over the tokens whose
-    experts agree in every layer (a token whose router scores nearly tie can pick another expert after
-    bf16 rounding, a discrete change of its logits), with the fraction of tokens that picked differently."""
+    """Error of logits ``got[got_key]`` against ``want[want_key]``: over all tokens, and over the comparable
+    ones, with the fraction of tokens whose experts differ from the reference's in some layer.
+
+    A token whose router scores nearly tie can pick another expert once activations are rounded to bf16: a
+    discrete change of its hidden state, which attention and the Gated DeltaNet's recurrence carry to every
+    later token of its sequence. A token is comparable when it and every earlier token of its sequence
+    chose the reference's experts in every layer.
+    """
     a, b = got[got_key].float(), want[want_key].float()
     per_token = ((a - b).abs().amax(-1) / b.abs().max()).reshape(-1)
     agree = (got[f"{got_key}_routes"] == want[f"{want_key}_routes"]).all(-1).all(0)
+    lengths = [min(LENGTHS)] * len(LENGTHS) if got_key.endswith("batch") else list(LENGTHS)
+    comparable = torch.cat([seq.int().cumprod(0).bool() for seq in agree.split(lengths)])
     return dict(
         all=float(per_token.max()),
-        agreeing=float(per_token[agree].max()) if bool(agree.any()) else math.nan,
+        comparable=float(per_token[comparable].max()) if bool(comparable.any()) else math.nan,
+        comparable_fraction=float(comparable.float().mean()),
         flipped=float(1 - agree.float().mean()),
-        worst_token_flipped=not bool(agree[per_token.argmax()]),
+        worst_token_comparable=bool(comparable[per_token.argmax()]),
     )
 
 

@@ -8,8 +8,9 @@ no CPU path). The child (``child_families_qwen3_5.py``) measures; this file judg
 - bf16: megatron-core in bf16 is as close to the fp32 reference as transformers in bf16 is, within a
   factor ``BF16_FACTOR`` (both round weights and activations to 8 mantissa bits; the two implementations
   round in different places), and never further than ``BF16_RTOL`` of the largest logit, on the tokens
-  whose experts agree with the reference's in every layer; it changes experts (near-tied router scores
-  rounded the other way) on no more tokens than ``FLIP_FACTOR`` x transformers' bf16 plus ``FLIP_SLACK``;
+  that precede their sequence's first token whose experts differ from the reference's in some layer (a
+  near-tie of router scores rounded the other way; the change carries to every later token); such flips
+  happen on no more tokens than ``FLIP_FACTOR`` x transformers' own in bf16 plus ``FLIP_SLACK``;
 - one GRPO step with the distributed optimizer is finite and moves every parameter, Gated DeltaNet's too
   (``trainer.kernels.gated_delta_rule=auto``: fla's kernel, or megatron's torch rule where fla refuses its
   backward, as on the H200's Triton 3.6);
@@ -34,6 +35,9 @@ BF16_RTOL = 5e-2
 # megatron-core may flip at most twice as many as transformers does plus 4 of the 48 tokens
 FLIP_FACTOR = 2.0
 FLIP_SLACK = 4 / 48
+# a flipped token changes every later token of its sequence (attention, the DeltaNet's recurrence): the
+# logits are compared on the tokens before a sequence's first flip, which must be at least a quarter
+MIN_COMPARABLE = 0.25
 
 
 def _fla_skip_reason() -> str | None:
@@ -76,10 +80,12 @@ def test_fp32_logits_match_transformers(run, layout):
 
 def check_bf16(result: dict, reference: dict, what: str) -> None:
     """megatron-core in bf16 (``result``) against the fp32 reference, beside transformers in bf16
-    (``reference``): it changes experts no more often, and where the experts agree it is as close."""
+    (``reference``): it changes experts no more often, and on the comparable tokens it is as close."""
     assert result["flipped"] <= FLIP_FACTOR * reference["flipped"] + FLIP_SLACK, (what, result, reference)
-    assert result["agreeing"] < BF16_RTOL, (what, result, reference)
-    assert result["agreeing"] <= BF16_FACTOR * reference["agreeing"] + FP32_RTOL, (what, result, reference)
+    assert result["comparable_fraction"] >= MIN_COMPARABLE, (what, result, reference)
+    assert result["comparable"] < BF16_RTOL, (what, result, reference)
+    reference_error = reference["comparable"] if reference["comparable_fraction"] > 0 else reference["all"]
+    assert result["comparable"] <= BF16_FACTOR * reference_error + FP32_RTOL, (what, result, reference)
 
 
 @pytest.mark.parametrize("layout", ["batch", "packed"])
