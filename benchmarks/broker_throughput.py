@@ -6,14 +6,20 @@ Each sample is ``tokens`` x (int32 id + float32 logprob + int32 version) plus ~2
 - ``broker``: a ``tidal broker`` process (journal on, default fsync policy ``interval``); producers are
   rollout-node clients (a standing lease request the broker fills as groups are submitted, or with
   ``--request-leases`` one ``lease`` call each; then submit whole groups of ``--group-size`` samples), the
-  consumer is the
-  trainer client (``get_batch`` of ``--batch-groups`` groups, the broker's default, + ``report_consumed``);
-  the staleness bound is set wide open so that transport is what is measured;
+  consumer is the trainer client: ``get_batch`` of ``--batch-groups`` groups (the broker's default) one
+  ahead on a thread, and after each batch ``publish_version`` (as the trainer after a step) and
+  ``report_consumed``, sent without waiting for their replies (``--wait-reports`` waits). The broker admits
+  by its staleness bound (``--max-staleness``, policy ``keep``), so what it holds stays bounded as in a run;
+  ``--open-admission`` publishes no versions and opens the bound wide (producers run ahead, the broker
+  holds most of the run's bytes: the setting of the figures before session 4);
 - ``ray_deque``: verl's pattern, a Ray actor holding a deque, one ``put`` and one ``get`` call per sample;
 - ``ray_queue``: ``ray.util.queue.Queue`` with batched puts and gets (``--ray-batch`` samples a call).
 
 Every method runs ``--repeats`` times per size, interleaved; the table shows medians and the broker's ratio
-to each baseline, and the CPU time per sample of each process (producers, broker, consumer). Ray is optional (``make bench-deps``); without it those columns are skipped.
+to each baseline, and the CPU time per sample of each process (producers, broker, consumer); stderr also
+has the broker's CPU per sample by thread (event loop, journal writer and fsync, ZeroMQ I/O) and its peak
+resident memory. Ray is optional (``make bench-deps``); without it those columns are skipped. Temporary
+folders (the journals: GBs at 32K tokens) are removed also when a run fails.
 
     .venv/bin/python benchmarks/broker_throughput.py --out runs/bench/broker_throughput.json
     .venv/bin/python benchmarks/broker_throughput.py --sizes 1024 --seconds 1 --repeats 1   # quick look

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import mmap
 import os
 import struct
 import threading
@@ -29,7 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from isal.isal_zlib import crc32  # zlib's CRC-32, same values, with ISA-L's carry-less multiply (~10x)
+from isal.isal_zlib import crc32
+
+from tidal.broker.direct_memory import (
+    direct_buffer,
+)  # zlib's CRC-32, same values, with ISA-L's carry-less multiply (~10x)
 
 log = logging.getLogger(__name__)
 
@@ -135,16 +138,14 @@ class _DirectWriter:
     def __init__(self, path: Path, size: int):
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
         self.base = size // self.BLOCK * self.BLOCK  # file offset of the staging buffer's first byte
-        # Private, not shared, anonymous memory: O_DIRECT pins these pages on every write, and shmem pages
-        # take the slow path for that.
-        self.buf = mmap.mmap(-1, self.STAGING, flags=mmap.MAP_PRIVATE)
-        self.view = memoryview(self.buf)
-        self.array = np.frombuffer(self.buf, np.uint8)
+        # O_DIRECT pins these pages on every write: huge pages where the kernel gives them (direct_memory)
+        self.array = direct_buffer(self.STAGING)
+        self.view = memoryview(self.array)
         self.fill = size - self.base
         if self.fill:
             with open(path, "rb") as f:
                 f.seek(self.base)
-                self.buf[: self.fill] = f.read(self.fill)
+                self.view[: self.fill] = f.read(self.fill)
         self.size = size
 
     def write(self, parts: list[bytes | memoryview]) -> None:
@@ -183,9 +184,8 @@ class _DirectWriter:
     def close(self) -> None:
         os.ftruncate(self.fd, self.size)  # drop the zero padding
         os.close(self.fd)
-        self.array = None  # numpy's export of the buffer, which must go before it closes
         self.view.release()
-        self.buf.close()
+        self.array = None  # the last reference: the memory goes with it
 
 
 def _open_writer(path: Path, size: int, direct: bool) -> _BufferedWriter | _DirectWriter:

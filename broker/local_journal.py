@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tidal.broker.direct_memory import direct_buffer
 from tidal.broker.journal import _HEADER, Kind, _crc, parse_format
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
@@ -55,7 +56,7 @@ class ReadMemory:
             base = self.bases[min(fits, key=lambda i: len(self.bases[i]))]
         else:
             step = max(BLOCK, 1 << max(0, nbytes.bit_length() - 4))  # sizes vary a little: round up by 1/16
-            base = np.empty(-(-nbytes // step) * step + BLOCK, np.uint8)
+            base = direct_buffer(-(-nbytes // step) * step + BLOCK)  # huge pages: cheaper to pin
             held, drop = sum(map(len, self.bases)), set()
             for i in sorted(free, key=lambda i: len(self.bases[i]), reverse=True):
                 if held + len(base) <= self.max_bytes:
