@@ -35,6 +35,8 @@ import torch
 
 from tidal.model_config import ModelConfig
 from tidal.procs import free_port, spawn, stop, tail, wait_for_tcp
+from tidal.rollout.embedded.ipc_receive import IpcPayloadError, UpdateFromTensorBody, parse_request
+from tidal.rollout.embedded.model import NamedTensorLoader
 from tidal.weights_sync.colocated import ColocatedSender
 from tidal.weights_sync.config import WeightSyncConfig
 from tidal.weights_sync.engine_api import EngineEndpoint
@@ -69,25 +71,17 @@ def hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 # ---- the engine side ------------------------------------------------------------------------------
-def serve_engine(args) -> int:
-    """A process holding the model's HF weights on the GPU, serving the colocated route."""
-    import uvicorn
+def engine_app(loader: NamedTensorLoader, stats: dict):
+    """The engine stand-in's routes: ``/update_weights_from_tensor`` through the engine's own decoding and
+    loader, the weight-update and pause routes as no-ops, ``/tidal/stats`` (and reset) of its timings."""
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
 
-    from tidal.rollout.embedded.ipc_receive import IpcPayloadError, UpdateFromTensorBody, parse_request
-    from tidal.rollout.embedded.model import NamedTensorLoader
-
-    dtype = getattr(torch, args.dtype)
-    loader = NamedTensorLoader(torch.nn.Module())  # its name resolution and checks over these weights:
-    loader.targets = {
-        name: torch.empty(shape, dtype=dtype, device="cuda")
-        for name, shape in hf_shapes(qwen3_8b(args.layers)).items()
-    }
-    stats = {"decode_s": 0.0, "load_s": 0.0, "bytes": 0, "requests": 0}
     lock = threading.Lock()
     app = FastAPI()
 
+    # the body's type is imported at module level: FastAPI resolves this module's postponed annotations in
+    # its globals, and a name it cannot resolve makes ``body`` a query parameter (every request a 422)
     @app.post("/update_weights_from_tensor")
     def update(body: UpdateFromTensorBody):  # plain def: runs in the thread pool, like a blocking load
         with lock:
@@ -126,7 +120,23 @@ def serve_engine(args) -> int:
 
     for route in ("/pause_generation", "/continue_generation", "/begin_weight_update", "/end_weight_update"):
         app.add_api_route(route, lambda: {"success": True, "message": "ok"}, methods=["POST"])
-    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
+    return app
+
+
+def serve_engine(args) -> int:
+    """A process holding the model's HF weights on the GPU, serving the colocated route."""
+    import uvicorn
+
+    dtype = getattr(torch, args.dtype)
+    loader = NamedTensorLoader(torch.nn.Module())  # its name resolution and checks over these weights:
+    loader.targets = {
+        name: torch.empty(shape, dtype=dtype, device="cuda")
+        for name, shape in hf_shapes(qwen3_8b(args.layers)).items()
+    }
+    stats = {"decode_s": 0.0, "load_s": 0.0, "bytes": 0, "requests": 0}
+    uvicorn.run(
+        engine_app(loader, stats), host="127.0.0.1", port=args.port, log_level="warning", access_log=False
+    )
     return 0
 
 
