@@ -28,11 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from isal.isal_zlib import crc32
+from isal.isal_zlib import crc32  # zlib's CRC-32, same values, with ISA-L's carry-less multiply (~10x)
 
-from tidal.broker.direct_memory import (
-    direct_buffer,
-)  # zlib's CRC-32, same values, with ISA-L's carry-less multiply (~10x)
+from tidal.broker.direct_memory import direct_buffer
 
 log = logging.getLogger(__name__)
 
