@@ -174,6 +174,7 @@ _VARIANT_KEYS = {  # key=MIB settings of a variant, e.g. own=8,bucket=256
     "own": "own_broadcast_bytes",
     "bucket": "bucket_bytes",
     "first": "first_bucket_bytes",
+    "max": "segmented_bucket_bytes",
 }
 
 

@@ -9,7 +9,7 @@ buckets satisfy by construction.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -150,25 +150,38 @@ def checksum(buf: torch.Tensor) -> int:
 
 
 def stream_buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, first_bytes: int | None = None
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    first_bytes: int | None = None,
+    *,
+    packed: Callable[[Packable], bool] | None = None,
+    max_bytes: int | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """``plan_buckets`` as a stream: each dtype's bucket leaves as soon as the next tensor would overflow it,
     so packing and sending start before the last tensor is gathered.
 
     ``first_bytes``: the first bucket's limit, doubling with each bucket up to ``bucket_bytes``, so the
     first broadcast starts after a small pack instead of a full bucket's (the pipeline's fill time).
+    ``packed(t)``: whether ``t`` is copied into the bucket's buffer; those that are not (sent from their
+    own memory) count only against ``max_bytes``, the bucket's size in all (default: ``bucket_bytes``),
+    which ramps up from ``first_bytes`` likewise.
     """
     limit = min(first_bytes or bucket_bytes, bucket_bytes)
-    open_buckets: dict[torch.dtype, tuple[list[tuple[str, torch.Tensor]], int]] = {}
+    most = max(max_bytes or bucket_bytes, bucket_bytes)
+    total_limit = min(first_bytes or most, most)
+    # per dtype: (items, packed bytes, all bytes)
+    open_buckets: dict[torch.dtype, tuple[list[tuple[str, torch.Tensor]], int, int]] = {}
     for name, t in named_tensors:
         n = t.numel() * t.element_size()
-        items, size = open_buckets.get(t.dtype, ([], 0))
-        if items and size + n > limit:
+        copied = n if packed is None or packed(t) else 0
+        items, size, total = open_buckets.get(t.dtype, ([], 0, 0))
+        if items and (size + copied > limit or total + n > total_limit):
             yield items
-            items, size = [], 0
+            items, size, total = [], 0, 0
             limit = min(2 * limit, bucket_bytes)
+            total_limit = min(2 * total_limit, most)
         items.append((name, t))
-        open_buckets[t.dtype] = (items, size + n)
-    for items, _ in open_buckets.values():
+        open_buckets[t.dtype] = (items, size + copied, total + n)
+    for items, _, _ in open_buckets.values():
         if items:
             yield items

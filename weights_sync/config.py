@@ -40,6 +40,14 @@ class WeightSyncConfig(BaseModel):
         "weights while paused (no load copy); smaller ones are packed, as each broadcast costs ~0.5 ms "
         "on gloo; None: pack everything",
     )
+    segmented_bucket_bytes: int | None = Field(
+        None,
+        gt=0,
+        description="to engines that declare bucket_segments, a bucket's size in all: tensors sent from their "
+        "own memory count only against this, packed ones also against bucket_bytes, so a bucket of large "
+        "tensors needs one HTTP announcement per this many bytes instead of per bucket_bytes; None: "
+        "4 x bucket_bytes",
+    )
     master_port: int = Field(
         0, ge=0, description="0: pick a free port; else pipeline stage s uses master_port + s"
     )
@@ -77,6 +85,11 @@ class WeightSyncConfig(BaseModel):
         """(first bucket, bucket) in bytes for a group on ``backend``, with the defaults filled in."""
         size = self.bucket_bytes or DEFAULT_BUCKET_BYTES.get(backend, DEFAULT_BUCKET_BYTES["nccl"])
         return min(self.first_bucket_bytes or max(1, size // 8), size), size
+
+    def segmented_bytes(self, backend: str) -> int:
+        """A bucket's size in all, to engines that take segments (at least the bucket's packed size)."""
+        size = self.bucket_sizes(backend)[1]
+        return max(self.segmented_bucket_bytes or 4 * size, size)
 
 
 DEFAULT_BUCKET_BYTES = {"gloo": 64 << 20, "nccl": 512 << 20}

@@ -26,11 +26,14 @@ engine's ``/tidal/stats``).
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -58,8 +61,8 @@ class ReceiveStats:
     buckets: int = 0
     bytes: int = 0
     in_place_bytes: int = 0  # of ``bytes``: received straight into a ``target``
-    receive_s: float = 0.0  # from the announcement's arrival to its bytes' arrival (turn wait included)
-    load_s: float = 0.0  # from the bytes' arrival until the handler released them
+    receive_s: float = 0.0  # from the announcement's arrival until its bytes arrived, less load_s
+    load_s: float = 0.0  # in the handler's block: from its buffered bytes' arrival until it loaded them
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -85,19 +88,42 @@ class _GroupState:
         self.stream = None  # CUDA: the stream receives run on
 
 
-def _broadcast_on_side_stream(state: _GroupState, buf: torch.Tensor) -> torch.cuda.Event | None:
-    """Receive into ``buf``; on CUDA on a stream of the group's own, so that loading the previous bucket
-    (on the handler's current stream) does not queue behind this receive. Returns the event to wait for."""
-    if buf.device.type != "cuda":
-        state.group.broadcast(buf, src=0)
-        return None
-    if state.stream is None:
-        state.stream = torch.cuda.Stream(buf.device)
-    with torch.cuda.stream(state.stream):
-        state.group.broadcast(buf, src=0)
-        arrived = torch.cuda.Event()
-        arrived.record(state.stream)
-    return arrived
+class _Receives:
+    """Receives started, in order, into ``dsts`` (every one before the first is waited for, so the sender's
+    next broadcast finds its receive posted). On CUDA they run on the group's own stream, so loading the
+    previous bucket (on the handler's current stream) does not queue behind them."""
+
+    def __init__(self, state: _GroupState, dsts: list[torch.Tensor]):
+        self.works: dict[int, Any] = {}  # gloo: not yet waited for, by index into dsts
+        self.arrived: torch.cuda.Event | None = None
+        if not dsts or dsts[0].device.type != "cuda":
+            self.works = {i: state.group.broadcast_async(dst, src=0) for i, dst in enumerate(dsts)}
+            return
+        if state.stream is None:
+            state.stream = torch.cuda.Stream(dsts[0].device)
+        with torch.cuda.stream(state.stream):
+            for dst in dsts:
+                state.group.broadcast_async(dst, src=0).wait()  # NCCL: orders the stream after it
+            self.arrived = torch.cuda.Event()
+            self.arrived.record(state.stream)
+
+    def wait(self, which: Iterable[int] | None = None) -> None:
+        """Return once the bytes of ``dsts[i]`` for each ``i`` in ``which`` (default: all) have arrived."""
+        error = None
+        for i in list(self.works) if which is None else [i for i in which if i in self.works]:
+            try:  # every one of them, so that none is still being written when this raises
+                self.works.pop(i).wait()
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after the others finished
+                error = error or exc
+        if error is not None:
+            raise error
+        if self.arrived is not None:
+            self.arrived.synchronize()  # NCCL's wait() only orders a stream: wait for the bytes themselves
+
+    def settle(self) -> None:
+        """Wait for whatever is left, ignoring failures (the receive already failed)."""
+        with contextlib.suppress(Exception):
+            self.wait()
 
 
 class WeightReceiver:
@@ -219,50 +245,87 @@ class WeightReceiver:
         spec = _spec(names, dtypes, shapes)
         nbytes = spec.nbytes  # raises ValueError naming a bad dtype or shape before any receive
         runs = _runs(segments, len(spec.names))
+        # the announced tensors as views of a buffer without storage: checks alignment, gives offsets
+        shaped = bucket.unpack(torch.empty(nbytes, dtype=torch.uint8, device="meta"), spec)
+        offsets = list(itertools.accumulate((t.numel() * t.element_size() for _, t in shaped), initial=0))
         state = self._state(group_name)
         with self._turn(state, group_name, seq) as seq:
-            # our turn: the other handlers wait for next_seq, which moves only once this receive is done
+            # our turn: the other handlers wait for next_seq, which moves once our receives are posted
             slot = state.slots[seq % 2]
             # bucket seq-2 used this buffer: its handler must have loaded it (normally long done)
             if not slot.lock.acquire(timeout=self.timeout_s):
                 raise BucketOrderError(f"group {group_name}: bucket {seq - 2} was never loaded")
             try:
-                buf = self._buffer(slot, nbytes)
-                views = bucket.unpack(buf, spec)
-                direct: set[int] = set()
-                arrived = None
-                for first, end in runs:
-                    dst = None
-                    if target is not None and checksum is None:
-                        dst = _in_place(target, views[first:end])
-                    if dst is not None:
-                        direct.update(range(first, end))
-                    else:
-                        start = views[first][1].data_ptr() - buf.data_ptr()
-                        last = views[end - 1][1]
-                        dst = buf[
-                            start : last.data_ptr() - buf.data_ptr() + last.numel() * last.element_size()
-                        ]
-                    arrived = _broadcast_on_side_stream(state, dst)
+                dsts: list[torch.Tensor | None] = [None] * len(runs)
+                if target is not None and checksum is None:
+                    device = torch.empty(0, device=self.device).device
+                    for r, (first, end) in enumerate(runs):
+                        dsts[r] = _in_place(target, shaped[first:end], device)
+                in_place = sum(
+                    offsets[end] - offsets[first]
+                    for (first, end), dst in zip(runs, dsts, strict=True)
+                    if dst is not None
+                )
+                buffered = [r for r, dst in enumerate(dsts) if dst is None]
+                buf, views = self._buffered(slot, spec, runs, offsets, dsts)
+                # the next bucket's turn starts once these receives are posted, not once they are done
+                receives = _Receives(state, dsts)
             except BaseException:
                 slot.lock.release()
                 raise
-        t1 = time.perf_counter()
+        loaded = 0.0  # seconds in the caller's block (its load)
         try:
-            if arrived is not None:
-                arrived.synchronize()  # NCCL's wait() only orders a stream: wait for the bytes themselves
+            # the tensors to load are yielded once their own bytes are in: loading them overlaps the
+            # segments still arriving in place (the small tensors go first); the block exits (and the
+            # engine replies) only once every byte has arrived
+            receives.wait(buffered)
+            t1 = time.perf_counter()
             if checksum is not None and bucket.checksum(buf) != checksum:
                 raise ChecksumMismatch(
                     f"bucket of {len(names)} tensors ({names[0]} ...) in group {group_name}: checksum "
                     f"{bucket.checksum(buf)} != announced {checksum}"
                 )
-            yield [item for i, item in enumerate(views) if i not in direct]
+            yield views
+            loaded = time.perf_counter() - t1
+            receives.wait()
         finally:
-            if arrived is not None:  # the caller's load read this buffer on its stream: finish it first
+            receives.settle()  # after a failure: nothing may still write into the buffer once it is free
+            if receives.arrived is not None:  # the caller's load read this buffer on its stream: finish it
                 torch.cuda.current_stream(buf.device).synchronize()
             slot.lock.release()
-            in_place = sum(views[i][1].numel() * views[i][1].element_size() for i in direct)
-            self._count(nbytes, t1 - t0, time.perf_counter() - t1, in_place)
+            spent = time.perf_counter() - t0
+            self._count(nbytes, spent - loaded, loaded, in_place)
+
+    def _buffered(
+        self,
+        slot: _Slot,
+        spec: bucket.BucketSpec,
+        runs: list[tuple[int, int]],
+        offsets: list[int],
+        dsts: list[torch.Tensor | None],
+    ) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
+        """Lay the segments that are not received in place (``dsts[r] is None``) out in ``slot``'s buffer and
+        fill in their ``dsts``; returns the buffer and views of their tensors, in order. Only those take
+        room, each at an offset congruent to its offset in the bucket modulo 16 (so every tensor keeps its
+        alignment); without segments in place the buffer is the bucket as sent."""
+        placed, size = [], 0
+        for r, (first, end) in enumerate(runs):
+            if dsts[r] is None:
+                size += (offsets[first] - size) % 16
+                placed.append((r, size))
+                size += offsets[end] - offsets[first]
+        buf = self._buffer(slot, size)
+        views = []
+        for r, at in placed:
+            first, end = runs[r]
+            dsts[r] = buf[at : at + offsets[end] - offsets[first]]
+            shift = at - offsets[first]
+            for i in range(first, end):
+                dtype, shape = bucket._dtype(spec.dtypes[i]), spec.shapes[i]
+                views.append(
+                    (spec.names[i], buf[shift + offsets[i] : shift + offsets[i + 1]].view(dtype).view(shape))
+                )
+        return buf, views
 
     def receive_tensors(
         self,
@@ -278,14 +341,13 @@ class WeightReceiver:
         spec = _spec(names, dtypes, shapes)
         nbytes = spec.nbytes
         state = self._state(group_name)
-        received = []
+        received = [
+            (name, torch.empty(shape, dtype=bucket._dtype(dtype), device=self.device))
+            for name, dtype, shape in zip(spec.names, spec.dtypes, spec.shapes, strict=True)
+        ]
         with self._turn(state, group_name, seq):
-            for name, dtype, shape in zip(spec.names, spec.dtypes, spec.shapes, strict=True):
-                t = torch.empty(shape, dtype=bucket._dtype(dtype), device=self.device)
-                arrived = _broadcast_on_side_stream(state, t)
-                if arrived is not None:
-                    arrived.synchronize()
-                received.append((name, t))
+            receives = _Receives(state, [t for _, t in received])
+        receives.wait()
         self._count(nbytes, time.perf_counter() - t0, 0.0)
         return received
 
@@ -347,14 +409,17 @@ def _runs(segments: list[int] | None, n: int) -> list[tuple[int, int]]:
     return list(zip(bounds, bounds[1:], strict=False))
 
 
-def _in_place(target: Target, views: list[tuple[str, torch.Tensor]]) -> torch.Tensor | None:
-    """The bytes that the segment ``views`` can be received into in place: its tensors' targets, if each
-    takes its tensor as it is (same dtype, shape, device; contiguous) and they lie back to back in one
-    storage in the segment's order (as q/k/v or gate/up do in a fused matrix); else None."""
+def _in_place(
+    target: Target, views: list[tuple[str, torch.Tensor]], device: torch.device
+) -> torch.Tensor | None:
+    """The bytes that the segment ``views`` (shapes and dtypes as announced) can be received into in place
+    on ``device``: its tensors' targets, if each takes its tensor as it is (same dtype, shape, device;
+    contiguous) and they lie back to back in one storage in the segment's order (as q/k/v or gate/up do
+    in a fused matrix); else None."""
     targets = []
     for name, view in views:
         t = target(name, list(view.shape), view.dtype)
-        if t is None or t.dtype != view.dtype or t.shape != view.shape or t.device != view.device:
+        if t is None or t.dtype != view.dtype or t.shape != view.shape or t.device != device:
             return None
         if not t.is_contiguous():
             return None

@@ -298,16 +298,41 @@ class WeightSender:
         )
         sender.start()
         first_bytes, bucket_bytes = self.config.bucket_sizes(self.backend)
-        it = iter(bucket.stream_buckets(tensors, bucket_bytes, first_bytes))
+        own_bytes = self.config.own_broadcast_bytes if self._segmented else None
+        if own_bytes is None:
+            buckets = bucket.stream_buckets(tensors, bucket_bytes, first_bytes)
+        else:  # tensors sent from their own memory count only against the bucket's size in all
+            buckets = bucket.stream_buckets(
+                tensors,
+                bucket_bytes,
+                first_bytes,
+                packed=lambda t: (
+                    not (isinstance(t, torch.Tensor) and t.is_contiguous() and _nbytes(t) >= own_bytes)
+                ),
+                max_bytes=self.config.segmented_bytes(self.backend),
+            )
+        it = iter(buckets)
         try:
             for items in it:
                 if errors:
                     break
+                t0 = time.perf_counter()
+                runs = _segments(items, own_bytes)
+                spec = _spec([item for _, run in runs for item in run])  # the broadcasts' order
+                # tensors per broadcast (only to engines that take segments), whenever there are several
+                # broadcasts or one from a tensor's own memory (the engine may then receive it in place)
+                several = len(runs) > 1 or runs[0][0] is not None
+                counts = [len(run) for _, run in runs] if several else None
+                announced = None
+                if window > 1 and not self.config.verify_checksums:
+                    # announced before packing: the engines post their receives meanwhile, so the
+                    # broadcast finds them ready (a checksum can only be announced once packed)
+                    announced = self._announce(group, spec, None, version, counts)
+                report.pack_s += time.perf_counter() - t0
                 staging, sent = free.get()
                 if sent is not None:  # its broadcast ran on the send stream
                     torch.cuda.current_stream(self.device).wait_event(sent)
                 t0 = time.perf_counter()
-                runs = _segments(items, self.config.own_broadcast_bytes if self._segmented else None)
                 need = sum(_nbytes(t) for own, run in runs if own is None for _, t in run)
                 if staging is None or staging.numel() < need:
                     staging = torch.empty(max(need, bucket_bytes), dtype=torch.uint8, device=self.device)
@@ -319,16 +344,14 @@ class WeightSender:
                     n = sum(_nbytes(t) for _, t in run)
                     payload.append(bucket.pack(run, out=staging[offset : offset + n])[0])
                     offset += n
-                spec = _spec([item for _, run in runs for item in run])  # the broadcasts' order
                 crc = _checksum(payload) if self.config.verify_checksums else None
-                # announced whenever a tensor goes on its own: the engine may then receive it in place
-                counts = [len(run) for _, run in runs] if any(own is not None for own, _ in runs) else None
                 packed = None
                 if cuda:
                     packed = torch.cuda.Event()
                     packed.record(torch.cuda.current_stream(self.device))
                 report.pack_s += time.perf_counter() - t0
-                announced = self._announce(group, spec, crc, version, counts) if window > 1 else None
+                if window > 1 and announced is None:
+                    announced = self._announce(group, spec, crc, version, counts)
                 ready.put((staging, payload, spec, crc, counts, announced, packed))
         finally:
             ready.put(None)
@@ -385,8 +408,7 @@ class WeightSender:
                             # this stream still reads it: the caching allocator must wait for the stream
                             part.record_stream(stream)
                     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                        for part in payload:
-                            self._broadcast(group, part, report)
+                        self._broadcast(group, payload, report)
                     if stream is not None:
                         sent = torch.cuda.Event()
                         sent.record(stream)
@@ -408,15 +430,21 @@ class WeightSender:
             errors.append(exc)
         report.transfer_s += time.perf_counter() - t0
 
-    def _broadcast(self, group, buf: torch.Tensor, report: SyncReport) -> None:
+    def _broadcast(self, group, payload: list[torch.Tensor], report: SyncReport) -> None:
+        """A bucket's broadcasts, all started before the first is waited for: the engines start their
+        receives likewise, so one broadcast's bytes follow the previous one's without a round trip
+        through either side's Python in between."""
         try:
-            group.broadcast(buf, src=0)
+            works = [group.broadcast_async(part, src=0) for part in payload]
+            for work in works:
+                work.wait()
         except Exception as exc:
             # a peer is gone; the live engines still answer /health while their receive is stuck
             dead = self._unhealthy(self._group_engines) or list(self._group_engines)
             for u in dead:
                 self._drop(u, report)
-            raise _Failed(f"broadcast of a {buf.numel()}-byte bucket failed ({exc}); dropped {dead}") from exc
+            nbytes = sum(part.numel() for part in payload)
+            raise _Failed(f"broadcast of a {nbytes}-byte bucket failed ({exc}); dropped {dead}") from exc
 
     def _settle_bucket(self, futures: dict[str, Future], report: SyncReport) -> None:
         failed = _settle(futures, self.config.timeout_s)

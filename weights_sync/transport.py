@@ -26,10 +26,17 @@ class WeightGroup:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Broadcast ``tensor`` in place from group rank ``src`` (blocking)."""
+        self.broadcast_async(tensor, src).wait()
+
+    def broadcast_async(self, tensor: torch.Tensor, src: int = 0) -> dist.Work:
+        """Start broadcasting ``tensor``; ``wait()`` on the result (gloo: until it is done; NCCL: orders
+        the current stream after it). Ranks match broadcasts by the order in which they start them, so
+        every rank must start the same broadcasts in the same order (one thread at a time); several may
+        be in flight, so the next one's receive is posted while the current one's bytes move."""
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
-        self.pg.broadcast([tensor], opts).wait()
+        return self.pg.broadcast([tensor], opts)
 
     def barrier(self) -> None:
         """Return once every rank reached it (on CUDA: and the work queued before it has finished)."""

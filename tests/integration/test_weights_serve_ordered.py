@@ -84,7 +84,7 @@ def _greedy(url: str) -> list[int]:
 
 def _sync(url: str, weights: dict[str, torch.Tensor], version: int, **config):
     # 16 KiB buckets: ~20 buckets for this ~300 KB model, so many are announced ahead of their replies
-    config = WeightSyncConfig(bucket_bytes=16 << 10, timeout_s=30, **config)
+    config = WeightSyncConfig(bucket_bytes=16 << 10, segmented_bucket_bytes=16 << 10, timeout_s=30, **config)
     sender = WeightSender(config, [EngineEndpoint(url)])
     try:
         report = sender.sync(lambda: iter(weights.items()), version=version)

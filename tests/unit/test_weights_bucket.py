@@ -58,6 +58,27 @@ def test_stream_buckets_ramp_from_the_first_bucket_size_up_to_the_bucket_size():
     assert [n for b in buckets for n, _ in b] == [n for n, _ in tensors]
 
 
+def test_tensors_sent_from_their_own_memory_count_only_against_the_bucket_size_in_all():
+    # 100-byte tensors, packed, and 1000-byte ones that go on broadcasts of their own
+    tensors = [(f"w{i}", torch.zeros(25 if i % 2 else 250)) for i in range(40)]
+    buckets = list(
+        bucket.stream_buckets(
+            tensors, bucket_bytes=300, packed=lambda t: t.numel() * t.element_size() < 1000, max_bytes=4000
+        )
+    )
+    for b in buckets:
+        sizes = [t.numel() * t.element_size() for _, t in b]
+        assert sum(n for n in sizes if n < 1000) <= 300 and sum(sizes) <= 4000
+    # each holds 3 packed (300 bytes) and 3 others (3300 in all); with packed sizes only, a 1000-byte
+    # tensor would close every bucket
+    assert [len(b) for b in buckets] == [6] * 6 + [4]
+    assert [n for b in buckets for n, _ in b] == [n for n, _ in tensors]
+    # the bucket size in all ramps up from the first bucket's size, doubling up to max_bytes
+    ramped = bucket.stream_buckets(tensors, 300, first_bytes=100, packed=lambda t: False, max_bytes=4000)
+    sizes = [sum(t.numel() * t.element_size() for _, t in b) for b in ramped]
+    assert sizes[:6] == [1000, 100, 1000, 100, 1100, 3200] and max(sizes) <= 4000
+
+
 def test_bucket_size_defaults_depend_on_the_backend():
     from tidal.weights_sync.config import WeightSyncConfig
 
@@ -65,6 +86,9 @@ def test_bucket_size_defaults_depend_on_the_backend():
     assert WeightSyncConfig().bucket_sizes("nccl") == (64 << 20, 512 << 20)
     explicit = WeightSyncConfig(bucket_bytes=1000, first_bucket_bytes=4000)
     assert explicit.bucket_sizes("gloo") == (1000, 1000)  # a first bucket never exceeds the bucket size
+    # to engines that take segments a bucket may hold more than its packed size
+    assert WeightSyncConfig().segmented_bytes("gloo") == 256 << 20
+    assert explicit.model_copy(update={"segmented_bucket_bytes": 10}).segmented_bytes("gloo") == 1000
 
 
 def test_packable_qkv_packs_bitwise_like_the_unfused_copies():

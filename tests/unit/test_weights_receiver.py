@@ -8,6 +8,7 @@ announcement's handler in a thread of its own, as an engine's HTTP server runs t
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -116,3 +117,102 @@ def test_destroying_the_group_releases_waiting_handlers(pair):
         assert receiver.destroy_group("g")
         with pytest.raises(BucketOrderError, match="destroyed"):
             waiting.result(timeout=30)
+
+
+def _bucket_of(*tensors: tuple[str, torch.Tensor]) -> bucket.BucketSpec:
+    return bucket.BucketSpec(
+        names=[n for n, _ in tensors],
+        dtypes=[bucket.dtype_name(t.dtype) for _, t in tensors],
+        shapes=[list(t.shape) for _, t in tensors],
+    )
+
+
+def test_the_next_buckets_receives_are_posted_before_the_current_ones_bytes_arrive(pair):
+    sender, receiver = pair
+    (buf0, spec0), (buf1, spec1) = _buckets(2)
+    got: dict[int, list] = {}
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(_handler, receiver, spec, k, got) for k, spec in ((1, spec1), (0, spec0))]
+        state = receiver._state("g")
+        deadline = time.monotonic() + 30
+        while state.next_seq < 2 and time.monotonic() < deadline:  # bucket 1's turn came, no byte sent yet
+            time.sleep(0.01)
+        assert state.next_seq == 2 and receiver.waiting == 0 and not got
+        for buf in (buf0, buf1):
+            sender.broadcast(buf, src=0)
+        for f in futures:
+            f.result(timeout=30)
+    assert torch.equal(got[0][0][1], bucket.unpack(buf0, spec0)[0][1])
+    assert torch.equal(got[1][0][1], bucket.unpack(buf1, spec1)[0][1])
+
+
+def test_tensors_to_load_are_yielded_while_later_segments_still_arrive_in_place(pair):
+    sender, receiver = pair
+    small, big, last = torch.randn(5), torch.randn(1000), torch.randn(300)
+    spec = _bucket_of(("small", small), ("big", big), ("last", last))
+    weights = {"big": torch.zeros(1000), "last": torch.zeros(300)}  # the engine's, taken in place
+    loading, seen = threading.Event(), {}
+
+    def handler():
+        with receiver.receive(
+            names=spec.names,
+            dtypes=spec.dtypes,
+            shapes=spec.shapes,
+            group_name="g",
+            seq=0,
+            segments=[1, 1, 1],
+            target=lambda name, shape, dtype: weights.get(name),
+        ) as tensors:
+            seen["tensors"] = [(n, t.clone()) for n, t in tensors]
+            loading.set()
+        seen["exited"] = time.monotonic()
+
+    with ThreadPoolExecutor(1) as pool:
+        done = pool.submit(handler)
+        sender.broadcast(small.clone(), src=0)
+        # the handler loads "small" before "big" and "last" are even sent
+        assert loading.wait(timeout=30)
+        sent = time.monotonic()
+        sender.broadcast(big.clone(), src=0)
+        sender.broadcast(last.clone(), src=0)
+        done.result(timeout=30)
+    assert [n for n, _ in seen["tensors"]] == ["small"] and torch.equal(seen["tensors"][0][1], small)
+    assert seen["exited"] >= sent  # the block exits (the engine replies) only once every byte is in
+    assert torch.equal(weights["big"], big) and torch.equal(weights["last"], last)
+    assert receiver.stats.in_place_bytes == (1000 + 300) * 4
+
+
+def test_only_the_segments_not_received_in_place_take_room_each_keeping_its_alignment(pair):
+    sender, receiver = pair
+    # 2 + 2002 + 8 bytes: without the in-place middle, the float32 pair would sit at byte 2 (unaligned)
+    head, middle, tail = torch.randn(1).bfloat16(), torch.randn(1001).bfloat16(), torch.randn(2)
+    spec = _bucket_of(("head", head), ("middle", middle), ("tail", tail))
+    buf, _ = bucket.pack([("head", head), ("middle", middle), ("tail", tail)])
+    into = torch.zeros(1001, dtype=torch.bfloat16)
+    seen = {}
+
+    def handler():
+        with receiver.receive(
+            names=spec.names,
+            dtypes=spec.dtypes,
+            shapes=spec.shapes,
+            group_name="g",
+            seq=0,
+            segments=[1, 1, 1],
+            target=lambda name, shape, dtype: into if name == "middle" else None,
+        ) as tensors:
+            seen.update((n, t.clone()) for n, t in tensors)
+
+    with ThreadPoolExecutor(1) as pool:
+        done = pool.submit(handler)
+        for part in (buf[:2], buf[2:2004], buf[2004:]):
+            sender.broadcast(part.clone(), src=0)
+        done.result(timeout=30)
+    assert (
+        sorted(seen) == ["head", "tail"]
+        and torch.equal(seen["head"], head)
+        and torch.equal(seen["tail"], tail)
+    )
+    assert torch.equal(into, middle)
+    held = receiver._state("g").slots[0].buffer
+    assert held.numel() == 12  # head at 0, tail at 4 (2004 modulo 16 is 4): 12 bytes, not the bucket's 2012
