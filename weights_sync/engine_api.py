@@ -1,14 +1,27 @@
-"""The engine's weight-update routes, as SGLang's HTTP server exposes them (one client per engine)."""
+"""The engine's weight-update routes, as SGLang's HTTP server exposes them (one client per engine).
+
+Plain HTTP/1.1 keep-alive connections from the standard library (one per concurrent call): a sync makes a
+few calls per bucket, and a general client (httpx) costs about three times the CPU per request (0.40 ms
+against 0.12 ms, measured against ``tidal serve``) on the same cores the broadcasts need.
+"""
 
 from __future__ import annotations
 
+import http.client
+import json
+import select
+import threading
+import time
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
 # tidal's receive extensions an engine may declare in its /init_weights_update_group reply (SGLang: none)
 EXTENSIONS = ("ordered_buckets", "bucket_segments")
+
+# an idle connection is reused only this long: servers close idle keep-alive connections (uvicorn after
+# 5 s), and a request sent as the server closes would fail
+_REUSE_IDLE_S = 2.0
 
 
 class EngineError(RuntimeError):
@@ -21,33 +34,95 @@ class EngineEndpoint:
     ranks: int = 1  # the engine's ranks in the weight-update group (its tensor-parallel size)
 
 
+class _Connections:
+    """Keep-alive connections to one server, each used by one call at a time."""
+
+    def __init__(self, url: str):
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"engine url {url!r}: expected http://HOST:PORT or https://HOST:PORT")
+        self._https = parts.scheme == "https"
+        self._host, self._port = parts.hostname, parts.port
+        self._prefix = parts.path.rstrip("/")
+        self._idle: list[tuple[http.client.HTTPConnection, float]] = []
+        self._lock = threading.Lock()
+
+    def request(self, method: str, route: str, body: Any, timeout_s: float) -> tuple[int, bytes]:
+        """(status, body) of one request; raises OSError or http.client.HTTPException."""
+        conn = self._take(timeout_s)
+        payload = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"} if payload is not None else {}
+        try:
+            conn.request(method, self._prefix + route, body=payload, headers=headers)
+            resp = conn.getresponse()
+            data = resp.read()
+        except BaseException:
+            conn.close()
+            raise
+        if resp.will_close:
+            conn.close()
+        else:
+            with self._lock:
+                self._idle.append((conn, time.monotonic()))
+        return resp.status, data
+
+    def _take(self, timeout_s: float) -> http.client.HTTPConnection:
+        while True:
+            with self._lock:
+                conn, since = self._idle.pop() if self._idle else (None, 0.0)
+            if conn is None:
+                cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+                conn = cls(self._host, self._port, timeout=timeout_s)
+                break
+            # the server may have closed it meanwhile (then its socket reads as ready: EOF)
+            if time.monotonic() - since < _REUSE_IDLE_S and not select.select([conn.sock], [], [], 0)[0]:
+                conn.sock.settimeout(timeout_s)
+                conn.timeout = timeout_s
+                break
+            conn.close()
+        return conn
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn, _ in idle:
+            conn.close()
+
+
 class EngineWeightsClient:
     def __init__(self, endpoint: EngineEndpoint, timeout_s: float):
         self.endpoint = endpoint
-        self._http = httpx.Client(base_url=endpoint.url.rstrip("/"), timeout=timeout_s)
+        self.timeout_s = timeout_s
+        self._http = _Connections(endpoint.url.rstrip("/"))
 
     def close(self) -> None:
         self._http.close()
 
-    def _post(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _request(self, method: str, route: str, body: Any, timeout_s: float) -> tuple[int, bytes]:
         try:
-            resp = self._http.post(route, json=body)
-        except httpx.HTTPError as exc:
+            return self._http.request(method, route, body, timeout_s)
+        except (OSError, http.client.HTTPException) as exc:
             raise EngineError(f"{self.endpoint.url}{route}: {type(exc).__name__}: {exc}") from exc
-        if resp.status_code != 200:
-            raise EngineError(f"{self.endpoint.url}{route}: HTTP {resp.status_code}: {resp.text[:300]}")
-        data = resp.json() if resp.content else {}
+
+    def _post(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
+        status, content = self._request("POST", route, body, self.timeout_s)
+        if status != 200:
+            text = content[:300].decode(errors="replace")
+            raise EngineError(f"{self.endpoint.url}{route}: HTTP {status}: {text}")
+        try:
+            data = json.loads(content) if content else {}
+        except ValueError as exc:
+            raise EngineError(
+                f"{self.endpoint.url}{route}: the reply is not JSON: {content[:300]!r}"
+            ) from exc
         if isinstance(data, dict) and data.get("success") is False:
             raise EngineError(f"{self.endpoint.url}{route}: {data.get('message')}")
         return data
 
     def health(self) -> None:
-        try:
-            resp = self._http.get("/health", timeout=min(5.0, self._http.timeout.read or 5.0))
-        except httpx.HTTPError as exc:
-            raise EngineError(f"{self.endpoint.url}/health: {type(exc).__name__}: {exc}") from exc
-        if resp.status_code != 200:
-            raise EngineError(f"{self.endpoint.url}/health: HTTP {resp.status_code}")
+        status, _ = self._request("GET", "/health", None, min(5.0, self.timeout_s))
+        if status != 200:
+            raise EngineError(f"{self.endpoint.url}/health: HTTP {status}")
 
     def init_group(
         self,
