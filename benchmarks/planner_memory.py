@@ -6,13 +6,16 @@ pipeline schedule, the config's loss) under torchrun, on packed synthetic sequen
 enough micro-batches to fill the pipeline). Every rank measures, from right before its model is built:
 
 - CUDA: ``torch.cuda.max_memory_allocated()`` (and ``max_memory_reserved()``), the bytes of live tensors;
-- CPU: the same quantity from torch's CPU allocator as the profiler sees it (every tensor allocation and
-  free, in order; ``torch.profiler`` with ``profile_memory``), since torch keeps no peak counter on CPU.
-  Also reported: the growth of the process's peak RSS (``VmHWM``, reset through ``/proc/self/clear_refs``)
-  over its RSS before the build, which adds glibc's heap slack, lazily loaded code and the profiler's own
-  event records to the tensors.
+- CPU: the same quantity from torch's CPU allocator, since torch keeps no peak counter on CPU: its
+  live-byte counter over all threads (c10's ``caffe2_report_cpu_memory_usage``) read at every allocation
+  event the profiler records on the measuring thread (``torch.profiler`` with ``profile_memory``); a
+  replay of those events alone would miss the frees gloo makes on its own threads (an all-to-all's
+  buffers) and count them as live forever. Also reported: the growth of the process's peak RSS
+  (``VmHWM``, reset through ``/proc/self/clear_refs``) over its RSS before the build, which adds glibc's
+  heap slack, lazily loaded code and the profiler's own event records to the tensors.
 
-``static`` is what is live right before the last step (weights, gradient buffers, optimizer state);
+``static`` is what is live right before the last step (weights, gradient buffers, optimizer state, and
+a few tensors megatron keeps from the previous step that the next one frees before its peak);
 ``dynamic`` is the last step's peak above that (activations, logits, backward temporaries). The table
 compares each with the planner's estimate for the same config and mesh (``tidal plan``'s numbers).
 
@@ -101,7 +104,7 @@ CASES: dict[str, Case] = {
         note="same, full recompute",
     ),
 }
-DEFAULT_CASES = {"cpu": "tiny,tiny-rc,kimi-pp2,kimi-pp2-rc", "cuda": "dense-0.6b,dense-0.6b-rc"}
+DEFAULT_CASES = {"cpu": "tiny,tiny-rc,kimi-pp2,kimi-pp2-rc,kimi-ep2", "cuda": "dense-0.6b,dense-0.6b-rc"}
 
 
 def load_case_config(case: Case):
@@ -123,7 +126,8 @@ def micro_batches_per_step(config) -> int:
 
 
 class CpuMeter:
-    """Live bytes of torch's CPU allocator over time, from the profiler's allocation events."""
+    """Live bytes of torch's CPU allocator over time: the profiler's allocation events, each carrying the
+    allocator's counter over all threads (``cpu_memory_counted_on_all_threads``)."""
 
     def __init__(self):
         from torch.profiler import ProfilerActivity, profile
@@ -132,6 +136,10 @@ class CpuMeter:
         self.rss_before = 0
 
     def __enter__(self):
+        from tidal.memory_measured import cpu_memory_counted_on_all_threads
+
+        self.counter = cpu_memory_counted_on_all_threads()
+        self.counter.__enter__()
         self.rss_before = _proc_status_kib("VmRSS") * 1024
         _reset_peak_rss()
         self.profile.__enter__()
@@ -140,6 +148,7 @@ class CpuMeter:
     def __exit__(self, *exc):
         self.rss_peak = _proc_status_kib("VmHWM") * 1024
         self.profile.__exit__(*exc)
+        self.counter.__exit__(*exc)
 
     def mark(self, name: str) -> None:
         from torch.profiler import record_function
@@ -148,22 +157,30 @@ class CpuMeter:
             pass
 
     def result(self) -> dict:
-        from tidal.memory_measured import allocation_timeline
+        from torch._C._profiler import _EventType
 
-        events = self.profile.profiler.kineto_results.events()
-        allocations = [(e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"]
-        marks = {
-            e.name().removeprefix("tidal_mark:"): e.start_ns()
-            for e in events
-            if e.name().startswith("tidal_mark:")
-        }
-        timeline = allocation_timeline(allocations, marks)
+        from tidal.memory_measured import allocation_timeline, counted_allocations
+
+        samples, marks = [], {}
+        stack = list(self.profile.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            event = stack.pop()
+            stack.extend(event.children)
+            if event.typed[0] == _EventType.Allocation:
+                fields = event.typed[1]
+                samples.append((event.start_time_ns, fields.alloc_size, fields.total_allocated))
+            elif event.name.startswith("tidal_mark:"):
+                marks[event.name.removeprefix("tidal_mark:")] = event.start_time_ns
+        timeline = allocation_timeline(counted_allocations(samples), marks)
+        # the same events replayed without the counter: what this thread saw allocated and freed
+        replay = allocation_timeline([(t, nbytes) for t, nbytes, _ in samples], marks)
         return {
-            "method": "cpu: torch CPU allocator, profiler allocation events",
+            "method": "cpu: torch CPU allocator's all-threads counter, at the profiler's allocation events",
             "peak_bytes": timeline.peak,
             "static_bytes": timeline.live_at["last_step"],
             "step_peak_bytes": timeline.peak_after["last_step"],
             "static_growth_bytes": timeline.live_at["last_step"] - timeline.live_at["previous_step"],
+            "this_thread_static_growth_bytes": replay.live_at["last_step"] - replay.live_at["previous_step"],
             "rss_growth_bytes": self.rss_peak - self.rss_before,
         }
 
@@ -380,6 +397,7 @@ def print_table(results: list[CaseResult]) -> None:
     head = (
         f"{'case':<16}{'stage':>6}{'est MiB':>10}{'meas MiB':>10}{'error':>8}"
         f"{'static est':>12}{'meas':>9}{'err':>8}{'dynamic est':>13}{'meas':>9}{'err':>8}{'RSS grow':>10}"
+        f"{'growth/step':>13}"
     )
     print(head)
     for r in results:
@@ -396,8 +414,8 @@ def print_table(results: list[CaseResult]) -> None:
     print(
         "error = (estimate - measured) / measured; static: weights + grads + optimizer state (live before the "
         "last step); dynamic: the last step's peak above it vs activations + logits; growth/step: static "
-        "memory of the last step minus the one before (nonzero on CPU: the replay missed frees made on "
-        "other threads, e.g. gloo's all-to-all, and the measured figures are too high)"
+        "memory of the last step minus the one before (nonzero: memory that grows every step, a leak or "
+        "frees the measurement missed)"
     )
 
 

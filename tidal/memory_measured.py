@@ -3,7 +3,10 @@ the comparison per pipeline stage (``tidal plan --measured``, ``benchmarks/plann
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +51,8 @@ def allocation_timeline(allocations: list[tuple[int, int]], marks: dict[str, int
     next_mark = 0
     for t, nbytes in order:
         while next_mark < len(named) and named[next_mark][1] <= t:
-            live_at[named[next_mark][0]] = peak_after[named[next_mark][0]] = live
+            name = named[next_mark][0]
+            live_at[name] = peak_after[name] = live
             next_mark += 1
         live += nbytes
         peak = max(peak, live)
@@ -57,8 +61,63 @@ def allocation_timeline(allocations: list[tuple[int, int]], marks: dict[str, int
     for name, _t in named[next_mark:]:
         live_at[name] = peak_after[name] = live
     return AllocationTimeline(
-        peak=peak, live_at=live_at, peak_after={name: peak_after[name] - live_at[name] for name in live_at}
+        peak=peak,
+        live_at=live_at,
+        peak_after={name: peak_after[name] - live_at[name] for name in live_at},
     )
+
+
+CPU_COUNTER_FLAG = "FLAGS_caffe2_report_cpu_memory_usage"
+
+
+@contextlib.contextmanager
+def cpu_memory_counted_on_all_threads() -> Iterator[None]:
+    """Within it, torch's CPU allocator keeps its live-byte counter over every thread's allocations and
+    frees.
+
+    The profiler records allocation events only on the threads it profiles, so a replay of them misses
+    tensors freed on other threads (gloo frees an all-to-all's buffers on its own threads) and keeps
+    counting them as live. With c10's ``caffe2_report_cpu_memory_usage`` flag the allocator tracks every
+    block's size and updates one process-wide counter under a lock on every allocation and free, on any
+    thread; each profiler allocation event then carries that counter (``total_allocated``), which
+    :func:`counted_allocations` reads. Blocks allocated before it is entered are not counted, also not
+    when they are freed: enter it before what is measured is built. The flag costs a lock and a table
+    update per allocation, so it is restored on exit.
+    """
+    import torch
+
+    lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libc10.so"))
+    try:
+        flag = ctypes.c_bool.in_dll(lib, CPU_COUNTER_FLAG)
+    except ValueError:
+        raise RuntimeError(
+            f"this torch build's libc10 does not export {CPU_COUNTER_FLAG} (built with gflags?): the CPU "
+            "allocator cannot count frees made on other threads; measure on CUDA, or replay the profiler's "
+            "events with allocation_timeline and discard runs whose static memory grows between steps"
+        ) from None
+    before = flag.value
+    flag.value = True
+    try:
+        yield
+    finally:
+        flag.value = before
+
+
+def counted_allocations(samples: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """(time, +-bytes) events whose replay follows the allocator's all-threads counter.
+
+    ``samples``: (time, +-bytes, counter after it) of the profiler's allocation events on the measuring
+    thread, inside :func:`cpu_memory_counted_on_all_threads`. Each event's change is the counter's change
+    since the event before it, so what other threads allocated and freed in between is included; the
+    first event's own size sets the baseline. Feed the result to :func:`allocation_timeline`.
+    """
+    order = sorted(samples)
+    events = []
+    previous = None
+    for t, nbytes, counter in order:
+        events.append((t, nbytes if previous is None else counter - previous))
+        previous = counter
+    return events
 
 
 def measured_stages(path: str | Path) -> dict[int, dict]:

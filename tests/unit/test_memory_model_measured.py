@@ -1,10 +1,14 @@
 """Checking the estimate against measured memory: the allocation replay and the per-component comparison."""
 
+import threading
+
 import pytest
 
 from tidal.memory_measured import (
     allocation_timeline,
     compare_stage,
+    counted_allocations,
+    cpu_memory_counted_on_all_threads,
     load_measured,
     measured_stages,
     write_peak,
@@ -28,6 +32,53 @@ def test_allocation_timeline_replays_events_in_time_order():
 def test_a_step_that_only_frees_has_no_dynamic_peak():
     timeline = allocation_timeline([(1, 8), (3, -8)], {"last_step": 2})
     assert timeline.live_at["last_step"] == 8 and timeline.peak_after["last_step"] == 0
+
+
+def test_counted_allocations_follow_the_counter_between_this_threads_events():
+    # (time, +-bytes, counter after it): another thread freed 6 bytes between the second and third events
+    samples = [(3, 4, 10), (1, 8, 8), (5, -2, 2)]
+    assert counted_allocations(samples) == [(1, 8), (3, 2), (5, -8)]
+    assert allocation_timeline(counted_allocations(samples), {}).peak == 10
+
+
+def _profiled_allocations(free_on_other_thread):
+    """(time, +-bytes, counter) of this thread's allocation events while a 1 MiB tensor is made here
+    and dropped by another thread, three times."""
+    import torch
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    held = []
+    with (
+        cpu_memory_counted_on_all_threads(),
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
+    ):
+        for _ in range(3):
+            held.append(torch.empty(MiB, dtype=torch.uint8))
+            free_on_other_thread(held)
+            torch.empty(16, dtype=torch.uint8)  # an event on this thread after the free
+    samples, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.typed[0] == _EventType.Allocation:
+            fields = event.typed[1]
+            samples.append((event.start_time_ns, fields.alloc_size, fields.total_allocated))
+    return samples
+
+
+def test_frees_on_other_threads_are_counted():
+    def free_on_other_thread(held):
+        thread = threading.Thread(target=held.clear)
+        thread.start()
+        thread.join()
+
+    samples = _profiled_allocations(free_on_other_thread)
+    # this thread's own events never see the frees: replayed alone, 3 MiB stay live
+    replay = allocation_timeline([(t, n) for t, n, _ in samples], {"end": max(t for t, _, _ in samples) + 1})
+    assert replay.live_at["end"] == 3 * MiB
+    counted = allocation_timeline(counted_allocations(samples), {"end": max(t for t, _, _ in samples) + 1})
+    assert counted.live_at["end"] == 0 and counted.peak == MiB
 
 
 def test_compare_stage_splits_the_error_into_static_and_dynamic(tmp_path):
