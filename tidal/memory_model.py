@@ -27,8 +27,12 @@ Activations are the tensors each module keeps for backward, per token, in bf16 (
 router logits in fp32), as megatron-core's local spec and tidal's packed core attention keep them (the
 trainer's path without Transformer Engine; docs/planner.md lists them), with sequence parallel when
 tp > 1, balanced routing, and the pipeline's in-flight micro-batches (1F1B: stage r holds pp - r;
-interleaved: megatron's warm-up count) plus each one's stage output. Full recompute keeps each layer's
-input and one layer's activations. On CUDA in bf16 the core attention is the varlen flash kernel (no K/V
+interleaved: megatron's warm-up count) plus each one's stage output. MoE layers also keep the stacked
+copy of their local experts' weights that GroupedExperts makes every forward, and peak in their forward
+on three more routed copies of the hidden state (four with EP) that they do not keep. A stage before the
+last holds the gradient received from the next one through a micro-batch's backward. Full recompute
+keeps each layer's input and one recomputed layer's peak; on the last stage that peak and the loss's
+do not overlap. On CUDA in bf16 the core attention is the varlen flash kernel (no K/V
 repeat). The last stage also holds the loss's peak over one micro-batch's logits (the fused logprobs:
 the logits and their gradient in the compute dtype, and two fp32 row chunks, over vocab/tp).
 
@@ -84,6 +88,9 @@ class LayerCount:
     expert_params: int  # routed experts; split over EP x ETP
     dense_act: float  # bytes per token, split over TP (sequence parallel)
     expert_act: float  # bytes per token in the routed experts, split over ETP
+    # bytes per token live at the layer's forward peak on top of what it keeps (MoE: the dispatcher's
+    # token copies and the experts' output), split over TP
+    transient_act: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -332,6 +339,13 @@ def _indexer_act(m: ModelConfig) -> float:
     return m.index_n_heads * m.index_head_dim + m.index_n_heads + 2 * m.index_topk
 
 
+def _grouped_experts_act(width: int) -> float:
+    """tidal's GroupedExperts (trainer/experts.py; trainer.kernels.experts auto, loop or grouped_mm) per
+    routed copy from fc1's output on: fc1's output (gate and up), silu(gate), their product (which the
+    routing probability scales: the unscaled one is kept) and the scaled product (fc2's input)."""
+    return 2 * width + width + width + width
+
+
 def _swiglu_act(width: int) -> float:
     """megatron's unfused SwiGLU MLP from fc1's output on: fc1 output (gate and up), silu(gate), the up
     half plus glu_linear_offset (a copy), and fc2's input."""
@@ -352,10 +366,17 @@ def _mlp_act(m: ModelConfig, layer: int) -> tuple[float, float]:
     # router input (a copy), fp32 scores and top-k probabilities, int64 top-k indices; the shared expert
     # reads the norm's output
     dense = h + 2 * m.num_experts + 2 * k + 4 * k + (_swiglu_act(shared_width) if shared_width else 0)
-    # each routed copy: the expert's permuted input, its SwiGLU, the output scaled by the routing
-    # probability (megatron applies it to the activation: the unscaled one is kept), its fp32 probability
-    routed = k * (h + _swiglu_act(m.moe_intermediate_size) + m.moe_intermediate_size + 2)
+    # each routed copy: the expert's input (sorted by expert), its SwiGLU, its fp32 probability
+    routed = k * (h + _grouped_experts_act(m.moe_intermediate_size) + 2)
     return dense, routed
+
+
+def _moe_transient(m: ModelConfig, layer: int) -> float:
+    """Elements per token a MoE layer's forward holds at its peak on top of what it keeps for backward:
+    the permuted tokens (the all-to-all dispatcher's first copy, referenced until the layer returns),
+    the experts' output and the copy sorted back to token order (on the CPU loop, the per-expert
+    outputs before they are concatenated): three routed copies of the hidden state."""
+    return 3 * m.num_experts_per_tok * m.hidden_size if m.is_moe_layer(layer) else 0.0
 
 
 def layer_count(m: ModelConfig, layer: int, device: Device = "cuda", bf16: bool = True) -> LayerCount:
@@ -365,7 +386,9 @@ def layer_count(m: ModelConfig, layer: int, device: Device = "cuda", bf16: bool 
     dense = norms + _attention_act(m, m.attention_kind(layer), device, bf16) + mlp_dense
     if m.hc_mult:
         dense += 2 * (2 * m.hc_mult * m.hidden_size + m.hidden_size)  # fp32 streams and the mixed input
-    return LayerCount(dense_params, expert_params, dense * BF16, mlp_routed * BF16)
+    return LayerCount(
+        dense_params, expert_params, dense * BF16, mlp_routed * BF16, _moe_transient(m, layer) * BF16
+    )
 
 
 def head_act(m: ModelConfig, device: Device = "cuda") -> float:
@@ -438,6 +461,16 @@ def in_flight_microbatches(p: Parallelism, rank: int) -> float:
 # the estimate
 
 
+def _layer_transient(m: ModelConfig, count: LayerCount, layer: int, p: Parallelism) -> float:
+    """Bytes per local token (bf16) of a layer's transient forward peak: its count, split over TP, plus
+    with EP > 1 and several local experts the all-to-all's output (one more routed copy: the dispatcher
+    sorts it by expert into the copy the experts keep, and the layer references both until it returns)."""
+    extra = 0.0
+    if p.ep > 1 and m.is_moe_layer(layer) and m.num_experts // p.ep > 1:
+        extra = m.num_experts_per_tok * m.hidden_size * BF16
+    return (count.transient_act + extra) / p.tp
+
+
 def estimate(
     model: ModelConfig,
     p: Parallelism,
@@ -480,19 +513,44 @@ def estimate(
         ) -> float:
             return bytes_per_param[0] * whole + bytes_per_param[1] * sharded + bytes_per_param[2] * live
 
-        per_token = [act_scale * (counts[i].dense_act / p.tp + counts[i].expert_act / p.etp) for i in layers]
-        per_mb = sum(per_token) * local_tokens
-        inputs_only = len(layers) * model.hidden_size * BF16 * act_scale / p.tp * local_tokens
-        largest_layer = max(per_token, default=0.0)
+        # what each layer keeps for backward per micro-batch: its activations, and for MoE layers the
+        # stacked copy of the local experts' weights that GroupedExperts makes every forward (the
+        # matrix products keep it)
+        kept = [
+            act_scale * (counts[i].dense_act / p.tp + counts[i].expert_act / p.etp) * local_tokens
+            + act_scale * BF16 * counts[i].expert_params / (p.ep * p.etp)
+            for i in layers
+        ]
+        transient = [_layer_transient(model, counts[i], i, p) * act_scale * local_tokens for i in layers]
+        per_mb = sum(kept)
+        hidden_state = model.hidden_size * BF16 * act_scale / p.tp * local_tokens
+        inputs_only = len(layers) * hidden_state
+        # a recomputed layer holds all it keeps plus its transient peak
+        largest_layer = max((k + t for k, t in zip(kept, transient, strict=True)), default=0.0)
+        last_transient = transient[-1] if transient else 0.0
         # megatron's schedule keeps each in-flight micro-batch's stage output until its gradient returns
-        # (deallocate_pipeline_outputs is off): one hidden state per token, not otherwise kept
-        sent = model.hidden_size * BF16 * act_scale / p.tp * local_tokens if rank < p.pp - 1 else 0.0
+        # (deallocate_pipeline_outputs is off): one hidden state per token, not otherwise kept; and the
+        # backward of a micro-batch holds the gradient received from the next stage (p2p recv buffer)
+        sent = hidden_state if rank < p.pp - 1 else 0.0
+        received_grad = hidden_state if rank < p.pp - 1 else 0.0
         flight = in_flight_microbatches(p, rank)
         logits = 0.0
         if rank == p.pp - 1:
             # final norm and output layer input, then the loss's peak over the (vocab-sharded) logits
             logits = head_act(model, device) * BF16 * act_scale / p.tp * local_tokens
             logits += logits_peak_bytes(local_tokens, math.ceil(model.vocab_size / p.tp), bf16)
+        # without recompute the peak is the end of the last warm-up forward: everything in flight is
+        # kept, plus the larger of the last layer's transient peak and, after it, the received gradient
+        # (the last stage: the loss's logits, counted apart)
+        # With full recompute, backward recomputes one layer at a time on top of the checkpointed inputs;
+        # on the last stage it reaches the last layer's checkpoint only after the loss and the output
+        # layer have run their backward and freed the logits, so the two peaks do not add up
+        if rank < p.pp - 1:
+            forward_peak = max(last_transient, received_grad)
+            recompute_peak = received_grad + largest_layer
+        else:
+            forward_peak = max(last_transient - logits, 0.0)
+            recompute_peak = max(largest_layer - logits, 0.0)
         result.stages.append(
             StageMemory(
                 stage=rank,
@@ -502,8 +560,8 @@ def estimate(
                 weights=held(per_param.weights),
                 grads=held(per_param.grads),
                 optimizer=held(per_param.optimizer),
-                activations=flight * (per_mb + sent),
-                activations_recompute=flight * (inputs_only + sent) + largest_layer * local_tokens,
+                activations=flight * (per_mb + sent) + forward_peak,
+                activations_recompute=flight * (inputs_only + sent) + recompute_peak,
                 logits=logits,
                 in_flight=flight,
             )

@@ -49,8 +49,9 @@ def test_a_mesh_that_does_not_fit_gets_the_nearest_legal_meshes_that_do(capsys):
     assert "DOES NOT FIT" in out
     lines = out.split("nearest legal meshes that fit on 256 GPUs (fsdp2):\n")[1].strip().splitlines()
     assert len(lines) == 3 and all("-> fits" in line for line in lines)
-    # the first suggestion changes one degree by a factor of two: cp 4 -> 8
-    assert lines[0].strip().startswith("tp=1 pp=8 cp=8 ep=16 etp=1")
+    # the nearest change that fits doubles two degrees, cp 4 -> 8 and ep 16 -> 32 (doubling cp alone
+    # leaves a recomputed MoE layer's stacked expert weights and routed copies over the budget)
+    assert lines[0].strip().startswith("tp=1 pp=8 cp=8 ep=32 etp=1")
 
 
 def test_suggested_meshes_are_legal_and_fit():

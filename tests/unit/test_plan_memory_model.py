@@ -141,8 +141,54 @@ def test_full_recompute_keeps_layer_inputs_and_one_layer():
     first = estimate(DENSE, p, "dist_opt", 1000, counts).stages[0]
     assert first.in_flight == 2 and first.layers == (0,)
     sent = 128 * BF16 * 1000  # the stage output the schedule keeps per in-flight micro-batch
-    assert first.activations == 2 * (counts[0].dense_act * 1000 + sent)
-    assert first.activations_recompute == 2 * (128 * BF16 * 1000 + sent) + counts[0].dense_act * 1000
+    received = 128 * BF16 * 1000  # the gradient from the next stage, held through a backward
+    # a dense layer has no transient peak: after the forward, the received gradient
+    assert first.activations == 2 * (counts[0].dense_act * 1000 + sent) + received
+    assert (
+        first.activations_recompute == 2 * (128 * BF16 * 1000 + sent) + received + counts[0].dense_act * 1000
+    )
+
+
+MOE = ModelConfig(family="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+
+
+def test_moe_layers_keep_grouped_experts_tensors_and_peak_on_three_routed_copies():
+    count = layer_count(MOE, 0)
+    # per routed copy: the expert's input (128), fc1's output (2 x 64), silu(gate), the product, the
+    # product scaled by the probability (64 each), and the fp32 probability (2 bf16 units)
+    assert count.expert_act == BF16 * 2 * (128 + 5 * 64 + 2)
+    # the permuted tokens, the experts' output, the copy sorted back: three routed hidden states
+    assert count.transient_act == BF16 * 3 * 2 * 128
+    assert layer_count(DENSE, 0).transient_act == 0
+
+
+def test_moe_first_stage_with_recompute_holds_one_layer_its_transient_and_the_received_gradient():
+    tokens = 1000
+    counts = [layer_count(MOE, i) for i in range(2)]
+    stacked = BF16 * 4 * 3 * 128 * 64  # the experts' weights, stacked by GroupedExperts every forward
+    layer = (counts[0].dense_act + counts[0].expert_act) * tokens + stacked
+    hidden = 128 * BF16 * tokens
+    first = estimate(MOE, parallelism(MeshConfig(pp=2), 2, 2), "dist_opt", tokens, counts).stages[0]
+    assert (
+        first.activations_recompute
+        == 2 * (hidden + hidden) + hidden + layer + counts[0].transient_act * tokens
+    )
+    # without recompute: both micro-batches kept, then the last layer's transient peak (> the gradient)
+    assert first.activations == 2 * (layer + hidden) + counts[0].transient_act * tokens
+    # with EP the all-to-all's output is one more routed copy at the peak
+    ep2 = estimate(MOE, parallelism(MeshConfig(pp=2, ep=2), 4, 2), "dist_opt", tokens, counts).stages[0]
+    routed_copy = BF16 * 2 * 128 * tokens
+    assert ep2.activations_recompute == first.activations_recompute - stacked / 2 + routed_copy
+
+
+def test_last_stage_recompute_peaks_on_the_logits_or_one_layer_not_both():
+    tokens = 1000
+    counts = [layer_count(MOE, i) for i in range(2)]
+    last = estimate(MOE, parallelism(MeshConfig(), 1, 2), "dist_opt", tokens, counts).stages[0]
+    stacked = BF16 * 4 * 3 * 128 * 64
+    layer = (counts[0].dense_act + counts[0].expert_act + counts[0].transient_act) * tokens + stacked
+    inputs = 2 * 128 * BF16 * tokens
+    assert last.total_recompute == last.static + inputs + max(layer, last.logits)
 
 
 def test_compare_with_measured_reads_peak_memory_json(tmp_path):
