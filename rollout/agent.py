@@ -3,8 +3,10 @@ scores them and submits whole groups.
 
 One asyncio loop runs three kinds of work: a heartbeat (keeps the node alive, extends its leases, learns
 the policy version and whether the data is exhausted), a lease loop (asks for as many groups as the
-engines can take), and one task per leased group (its ``n`` samples run concurrently, each request
-through the engine pool's concurrency limit; the scored group is submitted as soon as it is whole).
+engines can take), and one task per leased group (the scored group is submitted as soon as it is whole).
+A group of short samples goes to an engine as one ``/generate`` with ``sampling_params.n`` (one HTTP
+request, one prefill batch); longer ones send each sample as its own request, so that an engine place is
+reused as soon as its sample ends (``rollout.agent.group_request_max_new_tokens``).
 
 Weight updates are driven by the trainer's sender straight over the engines' HTTP routes. In
 ``in_place`` mode requests keep going and the engine stamps each token with the version that produced it
@@ -34,7 +36,7 @@ from tidal.broker.client import AsyncBrokerClient, BrokerError, LeaseRejected
 from tidal.broker.types import Group, PromptGroup, PromptRow, Sample
 from tidal.rollout.config import RolloutConfig
 from tidal.rollout.engine_pool import EnginePool, EngineUnavailable
-from tidal.rollout.generation import SampleFailed, generate
+from tidal.rollout.generation import PartialResponse, SampleFailed, generate, generate_group
 from tidal.rollout.tasks import Task
 
 log = logging.getLogger("tidal.rollout.agent")
@@ -306,6 +308,35 @@ class RolloutAgent:
             self.unfinished_samples -= pg.n  # none of its samples will start
             self._changed.set()
             raise
+        if pg.n > 1 and self.config.sampling.max_new_tokens <= self.agent_cfg.group_request_max_new_tokens:
+            samples = await self._sample_together(pg, prompt_ids)
+        else:
+            samples = await self._sample_each(pg, prompt_ids)
+        return Group(
+            group_id=pg.group_id,
+            samples=samples,
+            meta={"node": self.name, "row": pg.row.index, "data_source": pg.row.data_source},
+        )
+
+    async def _sample_together(self, pg: PromptGroup, prompt_ids: list[int]) -> list[Sample]:
+        """The group's samples from one /generate with sampling_params.n, then scored."""
+        try:
+            partials = await generate_group(
+                self.pool,
+                prompt_ids,
+                pg.n,
+                max_new_tokens=self.config.sampling.max_new_tokens,
+                sampling=self._base_sampling,
+                stop_token_ids=self.task.stop_token_ids,
+                limits=self.agent_cfg,
+            )
+            return list(await asyncio.gather(*(self._score(pg.row, prompt_ids, p) for p in partials)))
+        finally:
+            self.unfinished_samples -= pg.n
+            self._changed.set()
+
+    async def _sample_each(self, pg: PromptGroup, prompt_ids: list[int]) -> list[Sample]:
+        """The group's samples as one request each (each engine place is reused as its sample ends)."""
         jobs = [asyncio.create_task(self._sample(pg.row, prompt_ids)) for _ in range(pg.n)]
         try:
             samples = await asyncio.gather(*jobs)
@@ -315,11 +346,7 @@ class RolloutAgent:
                     j.cancel()
             await asyncio.gather(*jobs, return_exceptions=True)
             raise
-        return Group(
-            group_id=pg.group_id,
-            samples=samples,
-            meta={"node": self.name, "row": pg.row.index, "data_source": pg.row.data_source},
-        )
+        return samples
 
     async def _sample(self, row: PromptRow, prompt_ids: list[int]) -> Sample:
         try:
@@ -337,6 +364,9 @@ class RolloutAgent:
             stop_token_ids=self.task.stop_token_ids,
             limits=self.agent_cfg,
         )
+        return await self._score(row, prompt_ids, partial)
+
+    async def _score(self, row: PromptRow, prompt_ids: list[int], partial: PartialResponse) -> Sample:
         score = await self.task.score(row, partial.token_ids)
         self.stats.samples += 1
         self.stats.tokens += len(partial.token_ids)

@@ -137,6 +137,14 @@ class AgentConfig(BaseModel):
     max_retries: int = Field(3, ge=0, description="engine failures one sample survives (each resumes it)")
     max_resumes: int = Field(64, ge=0, description="aborted segments one sample may resume (weight updates)")
     resume_backoff_s: float = Field(0.05, gt=0, description="first wait after an abort that produced nothing")
+    group_request_max_new_tokens: int = Field(
+        64,
+        ge=0,
+        description="a group whose sampling.max_new_tokens is at most this starts as one /generate with "
+        "sampling_params.n (one HTTP request and one prefill for its n samples; the group holds its n "
+        "places on the engine until its last sample ends); longer ones send a request per sample, so each "
+        "place is reused as soon as its sample ends (long-tailed lengths); 0: always a request per sample",
+    )
     request_timeout_s: float = Field(600.0, gt=0, description="one /generate call")
     engine_start_timeout_s: float = Field(300.0, gt=0, description="an engine must answer within this")
     engine_max_restarts: int = Field(5, ge=0, description="restarts of one crashed child engine")

@@ -7,6 +7,7 @@ serves both; this module is the seam the agent codes against, plus the result ty
 from __future__ import annotations
 
 import abc
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -88,6 +89,32 @@ class EngineClient(abc.ABC):
         rid: str | None = None,
         return_logprob: bool = True,
     ) -> GenerateResult: ...
+
+    async def generate_n(
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        n: int,
+        *,
+        rid: str | None = None,
+        return_logprob: bool = True,
+    ) -> list[GenerateResult]:
+        """``n`` samples of one prompt. SGLang's shape is one ``/generate`` with ``sampling_params.n`` whose
+        requests are named ``{rid}_{i}``; this default sends ``n`` requests under those names instead."""
+        params = {k: v for k, v in sampling_params.items() if k != "n"}
+        return list(
+            await asyncio.gather(
+                *(
+                    self.generate(
+                        input_ids,
+                        params,
+                        rid=None if rid is None else f"{rid}_{i}",
+                        return_logprob=return_logprob,
+                    )
+                    for i in range(n)
+                )
+            )
+        )
 
     @abc.abstractmethod
     async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> None: ...

@@ -14,15 +14,16 @@ import contextlib
 import logging
 import subprocess
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from tidal.procs import tail
 from tidal.rollout.engine import EngineClient, EngineError, GenerateResult
 from tidal.rollout.http_client import SGLangClient
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class EngineUnavailable(RuntimeError):
@@ -121,11 +122,13 @@ class EnginePool:
     # --- requests --------------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[EngineSlot]:
-        """Hold one request's place on the least-loaded healthy engine."""
+    async def slot(self, places: int = 1) -> AsyncIterator[EngineSlot]:
+        """Hold ``places`` request places (a group's samples) on the least-loaded healthy engine that has
+        them free; more than ``rollout.concurrency`` places take a whole engine."""
+        places = max(1, min(places, self.concurrency))
         async with self._changed:
             while True:
-                ready = [s for s in self.slots if s.healthy and s.inflight < self.concurrency]
+                ready = [s for s in self.slots if s.healthy and s.inflight + places <= self.concurrency]
                 if ready:
                     chosen = min(ready, key=lambda s: (s.inflight, s.served))
                     break
@@ -137,13 +140,13 @@ class EnginePool:
                         f"see {', '.join(str(s.log_path) for s in self.slots)}"
                     )
                 await self._changed.wait()
-            chosen.inflight += 1
-            chosen.served += 1
+            chosen.inflight += places
+            chosen.served += places
         try:
             yield chosen
         finally:
             async with self._changed:
-                chosen.inflight -= 1
+                chosen.inflight -= places
                 self._changed.notify_all()
 
     async def generate(
@@ -152,14 +155,33 @@ class EnginePool:
         """``/generate`` with logprobs. An engine that cannot be reached or fails (5xx) is marked down and
         raises EngineUnavailable; a request it refuses (4xx) raises EngineRejected. A cancelled call
         aborts its request on the engine (by ``rid``), so it stops using the engine's capacity."""
+        call = slot.client.generate(input_ids, sampling_params, rid=rid, return_logprob=True)
+        return await self._request(slot, call, [] if rid is None else [rid])
+
+    async def generate_n(
+        self,
+        slot: EngineSlot,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        n: int,
+        rid: str | None = None,
+    ) -> list[GenerateResult]:
+        """``n`` samples of one prompt in one request (SGLang's ``sampling_params.n``), failures handled as
+        :meth:`generate` handles them; a cancelled call aborts each of its requests (``{rid}_{i}``)."""
+        call = slot.client.generate_n(input_ids, sampling_params, n, rid=rid, return_logprob=True)
+        rids = [] if rid is None else [rid] if n == 1 else [f"{rid}_{i}" for i in range(n)]
+        return await self._request(slot, call, rids)
+
+    async def _request(self, slot: EngineSlot, call: Awaitable[T], rids: list[str]) -> T:
         try:
-            return await slot.client.generate(input_ids, sampling_params, rid=rid, return_logprob=True)
+            return await call
         except asyncio.CancelledError:
-            if rid is not None:
+            if rids:
+                aborts = asyncio.gather(*(slot.client.abort(r) for r in rids))
                 try:  # shielded: a second cancellation must not stop the abort from reaching the engine
-                    await asyncio.shield(asyncio.wait_for(slot.client.abort(rid), 5.0))
+                    await asyncio.shield(asyncio.wait_for(aborts, 5.0))
                 except Exception as exc:  # noqa: BLE001 - best effort; the engine may be gone
-                    log.warning("could not abort request %s on %s: %r", rid, slot.url, exc)
+                    log.warning("could not abort request(s) %s on %s: %r", rids, slot.url, exc)
             raise
         except EngineError as exc:
             if exc.status is not None and 400 <= exc.status < 500:

@@ -1,7 +1,9 @@
 """One sample's generation over SGLang's ``/generate``, resumable across aborts and engine failures.
 
 A response is built from segments. Each segment is one ``/generate`` call on ``prompt + tokens so far``
-asking for the tokens still allowed. A segment that ends with ``finish_reason: abort`` (a weight update in
+asking for the tokens still allowed. A group's first segments can go out as one call with
+``sampling_params.n`` (:func:`generate_group`): one HTTP request, and the engine prefills the ``n`` rows
+together. A segment that ends with ``finish_reason: abort`` (a weight update in
 ``abort`` mode, AReaL's partial rollout) or that fails because its engine died is simply followed by
 another segment, on whichever engine is free; tokens, logprobs and per-token policy versions are
 concatenated, so every token keeps the version that produced it.
@@ -121,6 +123,66 @@ def sampling_params(
     return params
 
 
+def _check_resumable(partial: PartialResponse, segment: Segment, limits: AgentConfig) -> None:
+    """After an aborted segment: fail the sample when the engine refused it or it was resumed too often."""
+    status = segment.finish_details.get("status_code")
+    if isinstance(status, int) and 400 <= status < 500:
+        raise SampleFailed(f"engine aborted the request: {segment.finish_details.get('message')}")
+    if partial.resumes > limits.max_resumes:
+        raise SampleFailed(f"aborted {partial.resumes} times (rollout.agent.max_resumes)")
+
+
+def _engine_failed(partials: list[PartialResponse], exc: EngineUnavailable, limits: AgentConfig) -> None:
+    """Count a request lost with its engine against each of its samples; give up past max_retries."""
+    for partial in partials:
+        partial.retries += 1
+    retries = max(p.retries for p in partials)
+    if retries > limits.max_retries:
+        raise SampleFailed(f"{retries} engine failures, the last: {exc}") from exc
+    log.warning("resending a request (%d/%d): %s", retries, limits.max_retries, exc)
+
+
+async def _continue(
+    pool: EnginePool,
+    partial: PartialResponse,
+    rid: str,
+    *,
+    sampling: dict[str, Any],
+    stop_token_ids: list[int],
+    limits: AgentConfig,
+    backoff: float | None = None,
+) -> PartialResponse:
+    """Segments of one sample until it stops, resuming aborts and engine failures. ``backoff``: wait this
+    long before the first segment (the previous one was aborted without producing anything)."""
+    delay = limits.resume_backoff_s
+    if backoff is not None:
+        await asyncio.sleep(backoff)
+        delay = min(backoff * 2, 2.0)
+    while not partial.done:
+        params = sampling_params(sampling, partial, stop_token_ids)
+        try:
+            async with pool.slot() as slot:
+                segment_rid = f"{rid}-{partial.segments}-{partial.retries}"  # SGLang needs unique rids
+                result = await pool.generate(slot, partial.request_input_ids(), params, rid=segment_rid)
+        except EngineUnavailable as exc:
+            _engine_failed([partial], exc, limits)
+            continue
+        except EngineRejected as exc:
+            raise SampleFailed(str(exc)) from exc
+        segment = Segment.from_result(result)
+        partial.add(segment)
+        if partial.done:
+            break
+        # an aborted segment: a weight update in abort mode, or the engine refusing the request
+        _check_resumable(partial, segment, limits)
+        if segment.token_ids:
+            delay = limits.resume_backoff_s
+        else:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+    return partial
+
+
 async def generate(
     pool: EnginePool,
     prompt_ids: list[int],
@@ -132,35 +194,67 @@ async def generate(
 ) -> PartialResponse:
     """One response to ``prompt_ids``: segments until it stops, resuming aborts and engine failures."""
     partial = PartialResponse(list(prompt_ids), max_new_tokens)
-    backoff = limits.resume_backoff_s
+    return await _continue(
+        pool, partial, uuid.uuid4().hex, sampling=sampling, stop_token_ids=stop_token_ids, limits=limits
+    )
+
+
+async def generate_group(
+    pool: EnginePool,
+    prompt_ids: list[int],
+    n: int,
+    *,
+    max_new_tokens: int,
+    sampling: dict[str, Any],
+    stop_token_ids: list[int],
+    limits: AgentConfig,
+) -> list[PartialResponse]:
+    """``n`` responses to ``prompt_ids``, started as one ``/generate`` with ``sampling_params.n`` (one HTTP
+    request, and the engine prefills the n rows together). A sample whose segment was aborted continues on
+    its own, as :func:`generate` does; a request lost with its engine is sent again whole."""
+    partials = [PartialResponse(list(prompt_ids), max_new_tokens) for _ in range(n)]
     rid = uuid.uuid4().hex
-    while not partial.done:
-        params = sampling_params(sampling, partial, stop_token_ids)
+    params = sampling_params(sampling, partials[0], stop_token_ids)
+    while True:
         try:
-            async with pool.slot() as slot:
-                segment_rid = f"{rid}-{partial.segments}-{partial.retries}"  # SGLang needs unique rids
-                result = await pool.generate(slot, partial.request_input_ids(), params, rid=segment_rid)
+            async with pool.slot(n) as slot:
+                request_rid = f"{rid}-{partials[0].retries}"  # SGLang needs unique rids
+                results = await pool.generate_n(slot, list(prompt_ids), params, n, rid=request_rid)
+            break
         except EngineUnavailable as exc:
-            partial.retries += 1
-            if partial.retries > limits.max_retries:
-                raise SampleFailed(f"{partial.retries} engine failures, the last: {exc}") from exc
-            log.warning("resending a request (%d/%d): %s", partial.retries, limits.max_retries, exc)
-            continue
+            _engine_failed(partials, exc, limits)
         except EngineRejected as exc:
             raise SampleFailed(str(exc)) from exc
+    if len(results) != n:
+        raise SampleFailed(f"engine returned {len(results)} responses to a request for n={n} samples")
+    unfinished = []
+    for index, (partial, result) in enumerate(zip(partials, results, strict=True)):
         segment = Segment.from_result(result)
         partial.add(segment)
-        if partial.done:
-            break
-        # an aborted segment: a weight update in abort mode, or the engine refusing the request
-        status = segment.finish_details.get("status_code")
-        if isinstance(status, int) and 400 <= status < 500:
-            raise SampleFailed(f"engine aborted the request: {segment.finish_details.get('message')}")
-        if partial.resumes > limits.max_resumes:
-            raise SampleFailed(f"aborted {partial.resumes} times (rollout.agent.max_resumes)")
-        if segment.token_ids:
-            backoff = limits.resume_backoff_s
-        else:
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 2.0)
-    return partial
+        if not partial.done:
+            _check_resumable(partial, segment, limits)
+            wait = None if segment.token_ids else limits.resume_backoff_s
+            unfinished.append((index, partial, wait))
+    if unfinished:
+        jobs = [
+            asyncio.ensure_future(
+                _continue(
+                    pool,
+                    partial,
+                    f"{rid}_{index}",
+                    sampling=sampling,
+                    stop_token_ids=stop_token_ids,
+                    limits=limits,
+                    backoff=wait,
+                )
+            )
+            for index, partial, wait in unfinished
+        ]
+        try:
+            await asyncio.gather(*jobs)
+        except BaseException:
+            for job in jobs:
+                job.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)
+            raise
+    return partials

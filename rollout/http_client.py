@@ -152,6 +152,34 @@ class SGLangClient(EngineClient):
         data = (await self._request("POST", "/generate", body)).json()
         return parse_generate_response(data, prompt_tokens=len(input_ids))
 
+    async def generate_n(
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        n: int,
+        *,
+        rid: str | None = None,
+        return_logprob: bool = True,
+    ) -> list[GenerateResult]:
+        """One ``/generate`` with ``sampling_params.n``: SGLang answers a list of ``n`` responses, its
+        requests named ``{rid}_{i}``."""
+        if n == 1:
+            return [await self.generate(input_ids, sampling_params, rid=rid, return_logprob=return_logprob)]
+        body: dict[str, Any] = {
+            "input_ids": list(input_ids),
+            "sampling_params": {**sampling_params, "n": n},
+            "return_logprob": return_logprob,
+            "stream": False,
+        }
+        if rid is not None:
+            body["rid"] = rid
+        data = (await self._request("POST", "/generate", body)).json()
+        if not isinstance(data, list) or len(data) != n:
+            raise EngineError(
+                "/generate", 200, f"expected a list of {n} responses to n={n}: {str(data)[:200]}"
+            )
+        return [parse_generate_response(item, prompt_tokens=len(input_ids)) for item in data]
+
     async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> None:
         if rid is None and not abort_all:
             raise ValueError("abort needs a rid or abort_all=True")

@@ -197,6 +197,32 @@ def test_generate_matches_local_model_and_parses_as_sglang(engine, local):
         parse_generate(r)
 
 
+def test_n_samples_of_a_prompt_in_one_request_as_sglang_names_them(engine, local):
+    lm, _ = local
+    prompt = [4, 5, 6, 7]
+
+    async def go():
+        client = ValidatingClient(engine.url)  # the body with sampling_params.n validates as SGLang's
+        try:
+            greedy = await client.generate_n(prompt, {"max_new_tokens": 5, "temperature": 0.0}, 3, rid="grp")
+            sampled = await client.generate_n(prompt, {"max_new_tokens": 5, "temperature": 1.0}, 4)
+            return greedy, sampled
+        finally:
+            await client.close()
+
+    greedy, sampled = run(go())
+    assert [r.rid for r in greedy] == ["grp_0", "grp_1", "grp_2"]  # SGLang's names for parallel samples
+    expected = greedy_reference(lm, prompt, 5)
+    for res in greedy + sampled:
+        parse_generate(res.raw)
+        assert len(res.output_ids) == 5 and len(res.output_logprobs) == 5
+        assert torch.allclose(
+            torch.tensor(res.output_logprobs), teacher_logprobs(lm, prompt, res.output_ids), atol=1e-4
+        )
+    assert all(res.output_ids == expected for res in greedy)
+    assert len({r.rid for r in sampled}) == 4
+
+
 def test_bad_requests_get_400_with_a_message_and_the_server_keeps_serving(engine):
     url = engine.url
     cases = [

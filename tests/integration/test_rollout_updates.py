@@ -2,10 +2,11 @@
 embedded engine (``tidal serve`` started by the pool, as a node starts it).
 
 - abort mode: in-flight requests come back aborted with partial output; the agent resumes them from
-  prompt + partial output; the tokens before the update keep version 0, the rest get version 1;
+  prompt + partial output; the tokens before the update keep version 0, the rest get version 1; the same
+  for a group sent as one request (sampling_params.n), whose aborted samples continue one by one;
 - in_place mode: requests keep running; one segment carries both versions (the engine's spans);
 - crash: the engine process is SIGKILLed mid-request; the pool restarts it on the same URL and the
-  requests are resent and finish;
+  requests (a group's one request among them) are resent and finish;
 - stop (what SIGTERM does): a node whose requests cannot finish (the engine is paused) releases its
   groups to the broker after rollout.agent.drain_timeout_s, aborts its requests on the engine, leaves.
 """
@@ -23,7 +24,7 @@ from tidal.config import RunConfig
 from tidal.configio import load_config
 from tidal.procs import stop
 from tidal.rollout.agent import RolloutAgent
-from tidal.rollout.generation import generate
+from tidal.rollout.generation import generate, generate_group
 from tidal.rollout.main import build_pool
 from tidal.rollout.tasks import build_task
 from tidal.rollout.tasks.arithmetic import make_records
@@ -58,21 +59,14 @@ async def _running(client) -> int:
     return (await client.server_info())["internal_states"][0]["running"]
 
 
-async def _start_requests(pool, limits, n: int):
-    """n long requests (no stop token) in flight, each with some tokens generated."""
-    jobs = [
-        asyncio.create_task(
-            generate(
-                pool,
-                PROMPT,
-                max_new_tokens=MAX_NEW_TOKENS,
-                sampling=SAMPLING,
-                stop_token_ids=[],
-                limits=limits,
-            )
-        )
-        for _ in range(n)
-    ]
+async def _start_requests(pool, limits, n: int, *, group: int = 0):
+    """n long requests (no stop token) and ``group`` more sent as one request with sampling_params.n (the
+    last job, whose result is the list of its responses) in flight, each with some tokens generated."""
+    common = dict(max_new_tokens=MAX_NEW_TOKENS, sampling=SAMPLING, stop_token_ids=[], limits=limits)
+    jobs = [asyncio.create_task(generate(pool, PROMPT, **common)) for _ in range(n)]
+    if group:
+        jobs.append(asyncio.create_task(generate_group(pool, PROMPT, group, **common)))
+    n += group
     client = pool.slots[0].client
     steps0 = None
     for _ in range(600):
@@ -131,11 +125,25 @@ def test_generation_across_updates_an_engine_crash_and_a_stop(tmp_path):
                 assert versions[0] == 1 and versions[-1] == 2
                 assert np.all(np.diff(versions) >= 0)
 
+            # --- a group sent as one request (sampling_params.n): its aborted samples go on one by one
+            jobs = await _start_requests(pool, limits, 0, group=2)
+            await client.pause("abort")
+            await client.update_weight_version("3")
+            await client.resume()
+            (results,) = await asyncio.gather(*jobs)
+            assert len(results) == 2
+            for partial in results:
+                _check_lengths(partial)
+                versions = partial.version_array()
+                assert partial.segments >= 2 and partial.resumes >= 1, "finished before the pause landed"
+                assert versions[0] == 2 and versions[-1] == 3 and np.all(np.diff(versions) >= 0)
+
             # --- crash: the engine dies mid-request; the pool restarts it and the requests resend ---
             old_pid = pool.slots[0].process.pid
-            jobs = await _start_requests(pool, limits, 2)
+            jobs = await _start_requests(pool, limits, 2, group=2)
             os.kill(old_pid, signal.SIGKILL)
-            results = await asyncio.gather(*jobs)
+            *results, group = await asyncio.gather(*jobs)
+            results += group  # the group's request is sent again whole
             slot = pool.slots[0]
             assert slot.restarts == 1 and slot.process.pid != old_pid and slot.healthy
             for partial in results:
