@@ -28,6 +28,7 @@ import torch
 from tidal.rollout.embedded.decode_step import DecodeGraphs, EagerDecode
 from tidal.rollout.embedded.kv_cache import KVPool, StepBatch, StepCache
 from tidal.rollout.embedded.lean import LeanDecoder, unsupported_reason
+from tidal.rollout.embedded.prefill import LeanPrefill, lean_prefill_reason
 from tidal.rollout.embedded.sampling import SamplingParams, sample
 
 DEFAULT_VERSION = "default"
@@ -36,6 +37,8 @@ DEFAULT_VERSION = "default"
 DECODE_MODES = ("transformers", "lean", "bucketed", "cuda_graphs")
 # lean decode steps per scheduler iteration while nothing joins, leaves by length or waits to run
 DEFAULT_DECODE_BURST = 8
+# how a prefill runs: the lean forward over the prompt tokens (prefill.py), or transformers' modules
+PREFILL_MODES = ("lean", "transformers")
 
 
 @dataclass(eq=False)  # identity: two requests with equal fields are still two requests
@@ -90,11 +93,14 @@ class Scheduler:
         decode: str | None = None,
         decode_burst: int = DEFAULT_DECODE_BURST,
         cpu_attention: str = "auto",
+        prefill: str | None = None,
     ):
         """``decode``: one of DECODE_MODES; None picks CUDA graphs on CUDA, else the lean forward, and
         transformers' modules for models the lean forward does not cover (``decode_reason`` says why).
         ``decode_burst``: lean decode steps run back to back while no request joins or ends by length.
-        ``cpu_attention``: the lean decode's attention on CPU (lean.CPU_ATTENTION; ``attention`` says which)."""
+        ``cpu_attention``: the lean decode's attention on CPU (lean.CPU_ATTENTION; ``attention`` says which).
+        ``prefill``: one of PREFILL_MODES; None picks the lean prefill on CPU wherever the lean decode runs
+        and ``prefill.lean_prefill_reason`` has no objection, else transformers' modules (``prefill_reason``)."""
         self.lm = lm
         self.decoder = lm.get_decoder()
         # transformers renamed ``past_key_values`` to ``cache`` (5.2x); older 5.x ignores ``cache`` silently,
@@ -115,6 +121,7 @@ class Scheduler:
         self.decode_mode, self.decode_reason = self._decode_mode(decode)
         self._lean_step: EagerDecode | DecodeGraphs | None = None
         self.attention = "transformers' modules"
+        lean = None
         if self.decode_mode != "transformers":
             lean = LeanDecoder(lm, self.pool, cpu_attention=cpu_attention)
             self.attention = lean.attention
@@ -123,6 +130,8 @@ class Scheduler:
             else:
                 graphs = self.decode_mode == "cuda_graphs"
                 self._lean_step = DecodeGraphs(lean, max_batch_size, max_seq_len, capture=graphs)
+        self.prefill_mode, self.prefill_reason = self._prefill_mode(prefill, lean)
+        self._lean_prefill = LeanPrefill(lean) if self.prefill_mode == "lean" else None
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.paused: str | None = None
@@ -134,6 +143,7 @@ class Scheduler:
         self._error: BaseException | None = None
         torch.manual_seed(seed)
         self.steps = 0
+        self.prefill_rows = 0  # rows run through a prefill forward (a prompt shared by a group counts once)
         # OpenMP's thread count is per thread: the scheduler thread takes its creator's setting
         self._num_threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._loop, name="tidal-engine-scheduler", daemon=True)
@@ -155,6 +165,27 @@ class Scheduler:
         if self.device.type == "cuda":
             return "cuda_graphs", "default on CUDA"
         return "lean", "default on CPU"
+
+    def _prefill_mode(self, requested: str | None, lean: LeanDecoder | None) -> tuple[str, str]:
+        if requested is not None and requested not in PREFILL_MODES:
+            raise ValueError(f"prefill={requested!r}: choose one of {list(PREFILL_MODES)}")
+        if requested == "transformers":
+            return requested, "asked for"
+        if lean is None:
+            reason = f"the decode runs transformers' modules ({self.decode_reason})"
+        elif requested is None and self.device.type != "cpu":
+            # the lean prefill's win is Python overhead on small CPU models; on an accelerator the kernels
+            # dominate, and transformers' prefill is the one checked against the GPU suite
+            reason = f"default on {self.device.type}"
+        else:
+            reason = lean_prefill_reason(lean)
+        if reason is None:
+            return "lean", "asked for" if requested else "default with the lean decode"
+        if requested == "lean" and lean is None:
+            raise ValueError(f"prefill='lean' is not available: {reason}")
+        if requested == "lean":
+            return "lean", f"asked for, although {reason}"
+        return "transformers", reason
 
     # ---- called from other threads ----
 
@@ -281,17 +312,43 @@ class Scheduler:
             req.slot = self.pool.allocate()
         chosen.sort(key=lambda r: r.slot)
         seqs = [r.all_ids for r in chosen]
-        width = max(len(s) for s in seqs)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        for row, s in enumerate(seqs):
-            ids[row, : len(s)] = torch.tensor(s, dtype=torch.long)
-        batch = StepBatch([r.slot for r in chosen], [0] * len(chosen), [len(s) for s in seqs], self.device)
-        logits = self._forward(batch, ids.to(self.device))
+        lengths = [len(s) for s in seqs]
+        width = max(lengths)
+        ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs], dtype=torch.long).to(self.device)
+        slots = [r.slot for r in chosen]
+        if self._lean_prefill is not None:
+            logits = self._prefill_shared(seqs, ids, lengths, slots)
+        else:
+            self.prefill_rows += len(chosen)
+            logits = self._forward(StepBatch(slots, [0] * len(chosen), lengths, self.device), ids)
         for req, s in zip(chosen, seqs, strict=True):
             req.cached_len = len(s)
         self.running.extend(chosen)
         self.running.sort(key=lambda r: r.slot)
         self._emit(chosen, logits)
+
+    def _prefill_shared(
+        self, seqs: list[list[int]], ids: torch.Tensor, lengths: list[int], slots: list[int]
+    ) -> torch.Tensor:
+        """The lean prefill of each distinct sequence once (a group's n samples of one prompt arrive
+        together); a repeated one gets its first copy's keys and values and logits, which are what its own
+        prefill would compute."""
+        first: dict[tuple[int, ...], int] = {}
+        source = [first.setdefault(tuple(seq), row) for row, seq in enumerate(seqs)]
+        unique = sorted(first.values())
+        self.prefill_rows += len(unique)
+        if len(unique) == len(seqs):
+            return self._lean_prefill(ids, lengths, slots)
+        logits = self._lean_prefill(ids[unique], [lengths[r] for r in unique], [slots[r] for r in unique])
+        copies = [row for row in range(len(seqs)) if source[row] != row]
+        width = max(lengths[r] for r in copies)
+        dst = torch.tensor([slots[r] for r in copies], device=self.device)
+        src = torch.tensor([slots[source[r]] for r in copies], device=self.device)
+        for buffers in (self.pool.keys, self.pool.values):
+            for buf in buffers:
+                buf[dst, :, :width] = buf[src, :, :width]
+        position = {row: i for i, row in enumerate(unique)}
+        return logits[torch.tensor([position[source[r]] for r in range(len(seqs))], device=self.device)]
 
     def _compact(self) -> None:
         """Keep the running requests in slots 0..n-1: move the highest ones into the holes finished ones left.
@@ -451,10 +508,13 @@ class Scheduler:
             "waiting": len(self.waiting),
             "paused": self.paused,
             "steps": self.steps,
+            "prefill_rows": self.prefill_rows,
             "free_slots": self.pool.free_slots,
             "decode": self.decode_mode,
             "decode_reason": self.decode_reason,
             "decode_attention": self.attention,
+            "prefill": self.prefill_mode,
+            "prefill_reason": self.prefill_reason,
         }
 
 

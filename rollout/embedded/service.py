@@ -115,10 +115,14 @@ class EmbeddedEngine:
             def done(req: Request, fut: asyncio.Future = fut) -> None:
                 loop.call_soon_threadsafe(_resolve, fut, req)
 
-            req = Request(input_ids=list(inp.input_ids), params=inp.params, return_logprob=inp.return_logprob)
-            if inp.rid is not None:
-                req.rid = inp.rid
-            req.on_done = done
+            named = {} if inp.rid is None else {"rid": inp.rid}  # a uuid only for unnamed requests
+            req = Request(
+                input_ids=list(inp.input_ids),
+                params=inp.params,
+                return_logprob=inp.return_logprob,
+                on_done=done,
+                **named,
+            )
             if inp.params.max_new_tokens == 0:
                 self.scheduler.call(lambda req=req: self.scheduler.finish_without_running(req))
             else:

@@ -78,31 +78,58 @@ def test_greedy_matches_transformers_with_requests_joining_a_running_batch(famil
     sched = make_scheduler(lm)
     try:
         collect = Collector(len(PROMPTS))
-        max_new = 24
+        # request 1 stops early, leaving slots 0, 2, 3: a decode batch over non-adjacent slots
+        lengths = [80, 6, 24, 24]
         first = Request(
-            input_ids=PROMPTS[0], params=SamplingParams(max_new_tokens=max_new, temperature=0), rid="0"
+            input_ids=PROMPTS[0], params=SamplingParams(max_new_tokens=lengths[0], temperature=0), rid="0"
         )
         first.on_done = collect
         sched.submit(first)
-        # the others arrive while the first one is decoding: they must join its batch
+        # the others arrive while the first one is decoding: they must join its batch. The first is held
+        # (paused in place) while they are queued, so that it cannot finish first on a fast step
         deadline = time.monotonic() + 60
         while len(first.output_ids) < 3 and time.monotonic() < deadline:
             time.sleep(0.002)
-        assert 3 <= len(first.output_ids) < max_new
-        # request 1 stops early, leaving slots 0, 2, 3: a decode batch over non-adjacent slots
-        lengths = [max_new, 6, max_new, max_new]
+        sched.call(lambda: sched.pause("in_place")).result(timeout=60)
+        assert 3 <= len(first.output_ids) < lengths[0]
         for i, prompt in enumerate(PROMPTS[1:], start=1):
             req = Request(
                 input_ids=prompt, params=SamplingParams(max_new_tokens=lengths[i], temperature=0), rid=str(i)
             )
             req.on_done = collect
             sched.submit(req)
+        sched.call(sched.resume).result(timeout=60)
         done = collect.wait()
         for i, prompt in enumerate(PROMPTS):
             check_against_reference(ref, prompt, done[str(i)], lengths[i])
             assert done[str(i)].finish_reason == {"type": "length", "length": lengths[i]}
         # fewer steps than running the requests one after another: they shared decode steps
         assert sched.steps < sum(lengths)
+    finally:
+        sched.stop()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe"])
+def test_a_prompt_repeated_in_one_prefill_runs_once_and_matches_transformers(family):
+    lm = build_model(model_config(family), seed=3, device="cpu", dtype="float32")
+    ref = reference(lm)
+    sched = make_scheduler(lm)
+    try:
+        assert sched.prefill_mode == "lean", sched.prefill_reason
+        sched.call(lambda: sched.pause("in_place")).result(30)  # queue them all: one prefill takes them
+        prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[0], PROMPTS[0], PROMPTS[2]]
+        collect = Collector(len(prompts))
+        for i, prompt in enumerate(prompts):
+            req = Request(
+                input_ids=prompt, params=SamplingParams(max_new_tokens=8, temperature=0), rid=str(i)
+            )
+            req.on_done = collect
+            sched.submit(req)
+        sched.call(sched.resume).result(30)
+        done = collect.wait()
+        assert sched.prefill_rows == 2  # the two distinct prompts; the copies took their keys and values
+        for i, prompt in enumerate(prompts):
+            check_against_reference(ref, prompt, done[str(i)], 8)
     finally:
         sched.stop()
 
