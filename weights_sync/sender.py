@@ -291,7 +291,9 @@ class WeightSender:
         free: queue.Queue[tuple[torch.Tensor | None, torch.cuda.Event | None]] = queue.Queue()
         for staging in self._staging:
             free.put((staging, None))
-        ready: queue.Queue = queue.Queue()
+        # one bucket waits for the send thread, at most: bounds the tensors the gather holds ahead (a bucket
+        # that packs nothing takes no staging buffer, so the two buffers alone would not)
+        ready: queue.Queue = queue.Queue(maxsize=1)
         errors: list[_Failed] = []
         sender = threading.Thread(
             target=self._send_loop, args=(group, ready, free, window, version, report, errors), daemon=True
@@ -329,13 +331,17 @@ class WeightSender:
                     # broadcast finds them ready (a checksum can only be announced once packed)
                     announced = self._announce(group, spec, None, version, counts)
                 report.pack_s += time.perf_counter() - t0
-                staging, sent = free.get()
-                if sent is not None:  # its broadcast ran on the send stream
-                    torch.cuda.current_stream(self.device).wait_event(sent)
-                t0 = time.perf_counter()
                 need = sum(_nbytes(t) for own, run in runs if own is None for _, t in run)
-                if staging is None or staging.numel() < need:
-                    staging = torch.empty(max(need, bucket_bytes), dtype=torch.uint8, device=self.device)
+                # a bucket with nothing to pack takes no staging buffer: the next one's pack need not wait
+                taken = need > 0
+                staging = None
+                if taken:
+                    staging, sent = free.get()
+                    if sent is not None:  # its broadcast ran on the send stream
+                        torch.cuda.current_stream(self.device).wait_event(sent)
+                    if staging is None or staging.numel() < need:
+                        staging = torch.empty(max(need, bucket_bytes), dtype=torch.uint8, device=self.device)
+                t0 = time.perf_counter()
                 payload, offset = [], 0  # the bucket's broadcasts, in order
                 for own, run in runs:
                     if own is not None:  # sent from its own memory: nothing to copy
@@ -352,9 +358,9 @@ class WeightSender:
                 report.pack_s += time.perf_counter() - t0
                 if window > 1 and announced is None:
                     announced = self._announce(group, spec, crc, version, counts)
-                ready.put((staging, payload, spec, crc, counts, announced, packed))
+                _hand_over(ready, (taken, staging, payload, spec, crc, counts, announced, packed), sender)
         finally:
-            ready.put(None)
+            _hand_over(ready, None, sender)
             sender.join()
             self._staging = [free.get()[0] for _ in range(2)]
             if cuda:
@@ -393,7 +399,7 @@ class WeightSender:
             torch.cuda.set_device(self.device)  # the current device is per thread
             stream = torch.cuda.Stream(self.device)
         while (item := ready.get()) is not None:
-            staging, payload, spec, crc, segments, announced, packed = item
+            taken, staging, payload, spec, crc, segments, announced, packed = item
             sent = None
             nbytes = sum(part.numel() for part in payload)
             if not errors:
@@ -421,7 +427,8 @@ class WeightSender:
                 report.buckets += 1
                 report.bytes += nbytes
                 report.bucket_sizes.append(nbytes)
-            free.put((staging, sent))
+            if taken:
+                free.put((staging, sent))
         t0 = time.perf_counter()
         try:
             while replies and not errors:
@@ -488,6 +495,17 @@ def raw_broadcast(sender: WeightSender, sizes: list[int]) -> float:
     if failed:
         raise RuntimeError(f"raw receive failed on {failed}")
     return time.perf_counter() - t0
+
+
+def _hand_over(ready: queue.Queue, item, sender: threading.Thread) -> None:
+    """Put ``item`` for the send thread, unless it is gone (a bug: it only stops at the final None)."""
+    while True:
+        try:
+            ready.put(item, timeout=1.0)
+            return
+        except queue.Full:
+            if not sender.is_alive():
+                raise RuntimeError("the weight-sync send thread died; see its traceback above") from None
 
 
 def _checksum(payload: list[torch.Tensor]) -> int:
