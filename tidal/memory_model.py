@@ -27,9 +27,9 @@ Activations are the tensors each module keeps for backward, per token, in bf16 (
 router logits in fp32), as megatron-core's local spec and tidal's packed core attention keep them (the
 trainer's path without Transformer Engine; docs/planner.md lists them), with sequence parallel when
 tp > 1, balanced routing, and the pipeline's in-flight micro-batches (1F1B: stage r holds pp - r;
-interleaved: megatron's warm-up count) plus each one's stage output. MoE layers also keep the stacked
-copy of their local experts' weights that GroupedExperts makes every forward, and peak in their forward
-on three more routed copies of the hidden state (four with EP) that they do not keep. A stage before the
+interleaved: megatron's warm-up count) plus each one's stage output. MoE layers peak in their forward on the
+stacked copy of their local experts' weights (GroupedExperts does not keep it: backward restacks) and on
+three more routed copies of the hidden state (four with EP) that they do not keep. A stage before the
 last holds the gradient received from the next one through a micro-batch's backward. Full recompute
 keeps each layer's input and one recomputed layer's peak; on the last stage that peak and the loss's
 do not overlap. On CUDA in bf16 the core attention is the varlen flash kernel (no K/V
@@ -513,15 +513,18 @@ def estimate(
         ) -> float:
             return bytes_per_param[0] * whole + bytes_per_param[1] * sharded + bytes_per_param[2] * live
 
-        # what each layer keeps for backward per micro-batch: its activations, and for MoE layers the
-        # stacked copy of the local experts' weights that GroupedExperts makes every forward (the
-        # matrix products keep it)
+        # what each layer keeps for backward per micro-batch: its activations
         kept = [
             act_scale * (counts[i].dense_act / p.tp + counts[i].expert_act / p.etp) * local_tokens
+            for i in layers
+        ]
+        # a layer's forward peak on top of that; MoE layers also hold the stacked copy of their local
+        # experts' weights while they run (GroupedExperts restacks them in backward instead of keeping it)
+        transient = [
+            _layer_transient(model, counts[i], i, p) * act_scale * local_tokens
             + act_scale * BF16 * counts[i].expert_params / (p.ep * p.etp)
             for i in layers
         ]
-        transient = [_layer_transient(model, counts[i], i, p) * act_scale * local_tokens for i in layers]
         per_mb = sum(kept)
         hidden_state = model.hidden_size * BF16 * act_scale / p.tp * local_tokens
         inputs_only = len(layers) * hidden_state

@@ -8,8 +8,11 @@ another) over the tokens the dispatcher already sorted by expert.
 The module IS a ``SequentialMLP`` (subclass): it owns the same ``local_experts.N.linear_fc1/linear_fc2``
 modules and parameters, so parameter names, shapes, tensor-parallel attributes, checkpoints, the weight
 mapping (weights_sync/mapping*.py) and expert / expert-tensor parallelism are untouched; only ``forward``
-differs. Each step stacks the experts' weights into ``[E, out, in]`` (one copy of the expert weights, small
-beside the activations) and the autograd of ``torch.stack`` hands every expert its own gradient.
+differs. Each forward stacks the experts' weights into ``[E, out, in]`` and the autograd of ``torch.stack``
+hands every expert its own gradient. The matrix products would keep that stacked copy for backward, one per
+MoE layer and in-flight micro-batch (3.9 GiB a layer for Kimi K2.6 at EP8); saved-tensor hooks keep the
+expert parameters instead and restack them when backward needs the weights (:class:`RestackInBackward`):
+the same values, so the same gradients, for one more copy of the weights in backward.
 
 Kernels (``trainer.kernels.experts``): ``grouped_mm`` (CUDA, compute capability 9.0+, bf16, dimensions
 multiple of 8), ``loop`` (the same arithmetic expert by expert, any device: the CPU path and the reference),
@@ -53,6 +56,49 @@ def grouped_linear(
         return torch._grouped_mm(x.contiguous(), weights.transpose(1, 2), offs=offsets)
     outs = [part @ w.t() for part, w in zip(x.split(counts), weights.unbind(0), strict=True)]
     return torch.cat(outs) if outs else x.new_zeros(0, weights.shape[1])
+
+
+class RestackInBackward:
+    """Saved-tensor hooks: a tensor saved for backward that is a view of one of ``stacks`` (stacked expert
+    weights) is kept as the recipe to rebuild it (which stack, the view's size, strides and offset), not as
+    the stacked copy; backward restacks the parameters once per stack and hands out the same views.
+
+    Valid because parameters do not change between a micro-batch's forward and backward (the optimizer
+    steps after every backward of the step). The rebuilt stack is dropped once every view saved from it
+    has been unpacked (the loop path saves one view per expert).
+    """
+
+    def __init__(self, stacks: list[tuple[torch.Tensor, list[torch.Tensor]]]):
+        self._storages = [stacked.untyped_storage().data_ptr() for stacked, _ in stacks]
+        self._params = [params for _, params in stacks]
+        self._pending = [0] * len(stacks)
+        self._rebuilt: list[torch.Tensor | None] = [None] * len(stacks)
+
+    def pack(self, tensor: torch.Tensor):
+        if tensor.layout != torch.strided or tensor.device.type == "meta":
+            return tensor
+        storage = tensor.untyped_storage().data_ptr()
+        for index, stacked_storage in enumerate(self._storages):
+            if storage == stacked_storage:
+                self._pending[index] += 1
+                return (index, tuple(tensor.size()), tuple(tensor.stride()), tensor.storage_offset())
+        return tensor
+
+    def unpack(self, saved):
+        if isinstance(saved, torch.Tensor):
+            return saved
+        index, size, stride, offset = saved
+        stacked = self._rebuilt[index]
+        if stacked is None:
+            stacked = torch.stack([p.detach() for p in self._params[index]])
+            self._rebuilt[index] = stacked
+        self._pending[index] -= 1
+        if self._pending[index] <= 0:
+            self._rebuilt[index] = None
+        return stacked.as_strided(size, stride, offset)
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 
 class GroupedExperts(SequentialMLP):
@@ -112,8 +158,11 @@ class GroupedExperts(SequentialMLP):
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         x = permuted_local_hidden_states
-        w1 = torch.stack([expert.linear_fc1.weight for expert in self.local_experts])  # [E, 2F, H]
-        w2 = torch.stack([expert.linear_fc2.weight for expert in self.local_experts])  # [E, H, F]
+        fc1 = [expert.linear_fc1.weight for expert in self.local_experts]
+        fc2 = [expert.linear_fc2.weight for expert in self.local_experts]
+        w1 = torch.stack(fc1)  # [E, 2F, H]
+        w2 = torch.stack(fc2)  # [E, H, F]
+        restack = RestackInBackward([(w1, fc1), (w2, fc2)])
         use_kernel = self._use_kernel(x, w1, w2)
         counts = None
         if use_kernel:
@@ -122,8 +171,10 @@ class GroupedExperts(SequentialMLP):
         else:
             counts = [int(c) for c in tokens_per_expert.tolist()]
             offsets = None
-        h = grouped_linear(x, w1, offsets, counts, use_kernel)
+        with restack.hooks():
+            h = grouped_linear(x, w1, offsets, counts, use_kernel)
         h = self._activation(h)
         # as megatron's MLP: the routing probability scales the activation (fp32 probs), then back to dtype
         h = (h * permuted_probs.unsqueeze(-1)).to(x.dtype)
-        return grouped_linear(h, w2, offsets, counts, use_kernel), None
+        with restack.hooks():
+            return grouped_linear(h, w2, offsets, counts, use_kernel), None

@@ -165,16 +165,15 @@ def test_moe_layers_keep_grouped_experts_tensors_and_peak_on_three_routed_copies
 def test_moe_first_stage_with_recompute_holds_one_layer_its_transient_and_the_received_gradient():
     tokens = 1000
     counts = [layer_count(MOE, i) for i in range(2)]
-    stacked = BF16 * 4 * 3 * 128 * 64  # the experts' weights, stacked by GroupedExperts every forward
-    layer = (counts[0].dense_act + counts[0].expert_act) * tokens + stacked
+    # the experts' weights, stacked by GroupedExperts while the layer runs (not kept: backward restacks)
+    stacked = BF16 * 4 * 3 * 128 * 64
+    layer = (counts[0].dense_act + counts[0].expert_act) * tokens
+    transient = counts[0].transient_act * tokens + stacked
     hidden = 128 * BF16 * tokens
     first = estimate(MOE, parallelism(MeshConfig(pp=2), 2, 2), "dist_opt", tokens, counts).stages[0]
-    assert (
-        first.activations_recompute
-        == 2 * (hidden + hidden) + hidden + layer + counts[0].transient_act * tokens
-    )
+    assert first.activations_recompute == 2 * (hidden + hidden) + hidden + layer + transient
     # without recompute: both micro-batches kept, then the last layer's transient peak (> the gradient)
-    assert first.activations == 2 * (layer + hidden) + counts[0].transient_act * tokens
+    assert first.activations == 2 * (layer + hidden) + transient
     # with EP the all-to-all's output is one more routed copy at the peak
     ep2 = estimate(MOE, parallelism(MeshConfig(pp=2, ep=2), 4, 2), "dist_opt", tokens, counts).stages[0]
     routed_copy = BF16 * 2 * 128 * tokens

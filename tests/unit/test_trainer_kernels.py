@@ -9,10 +9,13 @@ Model-level checks run in a child process: megatron's parallel state is process-
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import subprocess
 import sys
 import textwrap
+import weakref
 
 import pytest
 import torch
@@ -26,7 +29,7 @@ from tidal.trainer.attention import (
     cp_varlen_layout,
     varlen_reference,
 )
-from tidal.trainer.experts import grouped_linear
+from tidal.trainer.experts import RestackInBackward, grouped_linear
 from tidal.trainer.fused_logprobs import vocab_parallel_logprobs
 
 
@@ -387,3 +390,34 @@ def test_equal_length_batches_are_recognised_from_shapes_alone():
     q, k, v = _qkv(lengths)
     got = attn.eval()._batched_sdpa(q, k, v, 3)
     torch.testing.assert_close(got, attn._forward_thd(q, k, v, params([0, 4, 8, 12], 4)), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_stacked_expert_weights_are_not_kept_for_backward_and_gradients_are_unchanged(use_kernel):
+    """GroupedExperts' saved-tensor hooks: the stacked copy of the experts' weights dies after the forward
+    (the products keep the parameters instead and restack them in backward); gradients are bitwise those of
+    the products that keep the stack. ``use_kernel`` runs torch's CPU ``_grouped_mm``."""
+    gen = torch.Generator().manual_seed(0)
+    counts = [3, 0, 5, 8]
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32) if use_kernel else None
+    params = [torch.randn(24, 16, generator=gen, requires_grad=True) for _ in counts]
+    x = torch.randn(sum(counts), 16, generator=gen, requires_grad=True)
+    out_grad = torch.randn(sum(counts), 24, generator=gen)
+
+    def forward(restack: bool):
+        stacked = torch.stack(params)
+        alive = weakref.ref(stacked)
+        hooks = RestackInBackward([(stacked, params)]).hooks() if restack else contextlib.nullcontext()
+        with hooks:
+            y = grouped_linear(x, stacked, offsets, counts, use_kernel)
+        del stacked
+        gc.collect()
+        return y, alive() is not None
+
+    y_ref, kept_ref = forward(restack=False)
+    grads_ref = torch.autograd.grad(y_ref, [x, *params], out_grad)
+    y, kept = forward(restack=True)
+    grads = torch.autograd.grad(y, [x, *params], out_grad)
+    assert kept_ref and not kept  # without the hooks the products hold the stack; with them, nothing does
+    assert torch.equal(y, y_ref)
+    assert all(torch.equal(g, r) for g, r in zip(grads, grads_ref, strict=True))
