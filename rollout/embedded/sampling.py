@@ -165,10 +165,12 @@ def sample(
                 [_truncate(probs[j], params[i].top_k, params[i].top_p) for j, i in enumerate(sampled_rows)]
             )
         unseeded = [j for j, i in enumerate(sampled_rows) if generators[i] is None]
-        if unseeded:
+        if len(unseeded) == len(params):  # every row sampled without a seed: one draw, no scatter
+            tokens = torch.multinomial(probs, 1).squeeze(1)
+        elif unseeded:
             picks = torch.multinomial(probs[unseeded], 1).squeeze(1)
-            for j, tok in zip(unseeded, picks.tolist(), strict=True):
-                tokens[sampled_rows[j]] = tok
+            rows = torch.tensor([sampled_rows[j] for j in unseeded], device=logits.device)
+            tokens[rows] = picks  # one scatter on the device (no host read of the picks)
         for j, i in enumerate(sampled_rows):
             if generators[i] is not None:
                 tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i]).item()

@@ -11,7 +11,7 @@ import torch
 from tidal.model_config import ModelConfig
 from tidal.rollout.config import SGLangEngineConfig
 from tidal.rollout.embedded.model import NamedTensorLoader, WeightLoadError, build_model
-from tidal.rollout.embedded.sampling import SamplingError, SamplingParams
+from tidal.rollout.embedded.sampling import SamplingError, SamplingParams, sample
 from tidal.rollout.embedded.scheduler import version_spans
 from tidal.rollout.engine import token_versions
 from tidal.rollout.http_client import parse_version
@@ -140,3 +140,27 @@ def test_fused_projections_match_unfused_model_and_see_every_weight_load(family)
         if family == "qwen3":
             assert torch.equal(mlp.gate_up_weight[48:], update[1][1])
         assert torch.allclose(fused(ids).logits, plain(ids).logits, atol=1e-5, rtol=0)
+
+
+def test_a_batch_mixing_greedy_seeded_and_unseeded_rows_samples_each_row_its_own_way():
+    vocab = 16
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(0))
+    logits[1, 7] = logits[3, 9] = 60.0  # all the mass (at temperature 1) on one token: any draw picks it
+    greedy = SamplingParams(temperature=0.0)
+    plain = SamplingParams(temperature=1.0)
+    seeded = SamplingParams(temperature=1.0, sampling_seed=5)
+    params = [greedy, plain, seeded, plain, greedy]
+
+    def run():
+        gens = [None, None, torch.Generator().manual_seed(5), None, None]
+        return sample(logits, params, gens)
+
+    tokens, logprobs = run()
+    assert tokens[0] == logits[0].argmax() and tokens[4] == logits[4].argmax()
+    assert tokens[1] == 7 and tokens[3] == 9
+    assert run()[0][2] == tokens[2]  # the seeded row draws the same token again
+    expected = torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1)
+    assert torch.allclose(logprobs, expected)
+    # every row sampled without a seed: one draw for the batch, each row from its own distribution
+    tokens, _ = sample(logits[[1, 3]], [plain, plain], [None, None])
+    assert tokens.tolist() == [7, 9]
