@@ -1,13 +1,16 @@
 """A rollout node's cost: tokens/s through the node (broker lease -> agent -> engine -> reward -> submit
 -> batch) against the same requests sent straight to the engine with the engine client, in one run.
 
-One embedded engine (``tidal serve``, started by the node's engine pool) serves both paths; a real broker
+One embedded engine (``tidal serve``, started by the node's engine pool) serves every path; a real broker
 process serves the node; a consumer pulls the batches. The direct path sends every sample of every prompt
-with the same sampling parameters and concurrency limit; the ratio node/direct is what the node's
-machinery costs (1.0: nothing). Paths alternate per repeat; medians are reported. Prints a table, writes
-JSON with ``--out``.
+as its own request with the same sampling parameters and concurrency limit; direct_n sends each prompt's
+samples as one request with ``sampling_params.n`` (what the node does for short samples); the ratio
+node/direct_n is what the node's machinery costs (1.0: nothing). Paths alternate per repeat; medians are reported, with the CPU time each
+sample cost the benchmark's process (the agent, or the direct client, plus the consumer) and the engine's
+process (HTTP server and scheduler threads). Prints a table, writes JSON with ``--out``.
 
     .venv/bin/python benchmarks/rollout_agent.py --out runs/bench/rollout_agent.json
+    .venv/bin/python benchmarks/rollout_agent.py --max-new-tokens 6 --prompts 128 --set rollout.concurrency=128
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -42,6 +46,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=64, help="requests in flight on the engine")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--set", action="append", default=[], help="config override KEY=VALUE (repeatable)")
     p.add_argument("--out", default=None)
     return p.parse_args()
 
@@ -57,6 +62,21 @@ async def direct(pool, task, prompt_ids: list[list[int]], a, base: dict) -> tupl
 
     t0 = time.perf_counter()
     counts = await asyncio.gather(*(one(ids) for ids in prompt_ids for _ in range(a.group_size)))
+    return time.perf_counter() - t0, sum(counts)
+
+
+async def direct_groups(pool, task, prompt_ids: list[list[int]], a, base: dict) -> tuple[float, int]:
+    """Each prompt's samples as one request with sampling_params.n (what the node sends for short samples)."""
+    client = pool.slots[0].client
+    gate = asyncio.Semaphore(max(1, a.concurrency // a.group_size))
+
+    async def one(ids: list[int]) -> int:
+        async with gate:
+            params = sampling_params(base, PartialResponse(ids, a.max_new_tokens), task.stop_token_ids)
+            return sum(len(r.output_ids) for r in await client.generate_n(ids, params, a.group_size))
+
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*(one(ids) for ids in prompt_ids))
     return time.perf_counter() - t0, sum(counts)
 
 
@@ -104,6 +124,7 @@ async def main_async(a) -> dict:
             "rollout.engine.max_seq_len=64",
             "model.max_position_embeddings=64",
             "rollout.agent.lease_poll_s=0.02",
+            *a.set,
         ],
     )
     save_char_tokenizer(tmp / "tokenizer")
@@ -115,32 +136,70 @@ async def main_async(a) -> dict:
     (tmp / "node").mkdir()
     pool = build_pool(config, [], tmp / "node")
     await pool.start()
-    results: dict[str, list[tuple[float, int]]] = {"direct": [], "node": []}
+    results: dict[str, list[dict]] = {"direct": [], "direct_n": [], "node": []}
+    engine_pid = pool.slots[0].process.pid
+    samples = a.prompts * a.group_size
+
+    async def measured(path: str, run) -> None:
+        own, engine = time.process_time(), process_cpu_s(engine_pid)
+        seconds, tokens = await run
+        results[path].append(
+            {
+                "seconds": seconds,
+                "tokens": tokens,
+                "own_cpu_ms_per_sample": 1e3 * (time.process_time() - own) / samples,
+                "engine_cpu_ms_per_sample": 1e3 * (process_cpu_s(engine_pid) - engine) / samples,
+            }
+        )
+
     try:
         await direct(pool, task, prompt_ids[:4], a, base)  # warm-up
         for r in range(a.repeats):
-            results["direct"].append(await direct(pool, task, prompt_ids, a, base))
-            results["node"].append(await through_node(pool, task, config, rows, a, tmp / f"broker{r}"))
+            await measured("direct", direct(pool, task, prompt_ids, a, base))
+            await measured("direct_n", direct_groups(pool, task, prompt_ids, a, base))
+            await measured("node", through_node(pool, task, config, rows, a, tmp / f"broker{r}"))
     finally:
         await pool.close()
         task.close()
-    rates = {k: statistics.median(tok / sec for sec, tok in v) for k, v in results.items()}
+
+    def median(path: str, key: str) -> float:
+        return statistics.median(r[key] for r in results[path])
+
+    rates = {k: statistics.median(r["tokens"] / r["seconds"] for r in v) for k, v in results.items()}
     return {
         "config": vars(a),
-        "runs": {k: [{"seconds": sec, "tokens": tok} for sec, tok in v] for k, v in results.items()},
+        "runs": results,
         "median_tokens_per_s": rates,
+        "median_samples_per_s": {k: rates[k] * samples / median(k, "tokens") for k in results},
+        "median_own_cpu_ms_per_sample": {k: median(k, "own_cpu_ms_per_sample") for k in results},
+        "median_engine_cpu_ms_per_sample": {k: median(k, "engine_cpu_ms_per_sample") for k in results},
         "node_over_direct": rates["node"] / rates["direct"],
+        "node_over_direct_n": rates["node"] / rates["direct_n"],
     }
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads) so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
     a = parse_args()
     out = asyncio.run(main_async(a))
-    print(f"{'path':<8} {'median tokens/s':>16} {'runs (s)':>28}")
-    for k in ("direct", "node"):
+    print(
+        f"{'path':<8} {'median tokens/s':>16} {'samples/s':>10} {'own CPU ms/sample':>18} "
+        f"{'engine CPU ms/sample':>21} {'runs (s)':>24}"
+    )
+    for k in ("direct", "direct_n", "node"):
         secs = ", ".join(f"{r['seconds']:.2f}" for r in out["runs"][k])
-        print(f"{k:<8} {out['median_tokens_per_s'][k]:>16.1f} {secs:>28}")
-    print(f"node / direct: {out['node_over_direct']:.3f}")
+        print(
+            f"{k:<8} {out['median_tokens_per_s'][k]:>16.1f} {out['median_samples_per_s'][k]:>10.1f} "
+            f"{out['median_own_cpu_ms_per_sample'][k]:>18.3f} {out['median_engine_cpu_ms_per_sample'][k]:>21.3f} "
+            f"{secs:>24}"
+        )
+    print(f"node / direct: {out['node_over_direct']:.3f}; node / direct_n: {out['node_over_direct_n']:.3f}")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(out, indent=1))
