@@ -157,20 +157,9 @@ class CpuMeter:
             pass
 
     def result(self) -> dict:
-        from torch._C._profiler import _EventType
+        from tidal.memory_measured import allocation_timeline, counted_allocations, profiled_allocations
 
-        from tidal.memory_measured import allocation_timeline, counted_allocations
-
-        samples, marks = [], {}
-        stack = list(self.profile.profiler.kineto_results.experimental_event_tree())
-        while stack:
-            event = stack.pop()
-            stack.extend(event.children)
-            if event.typed[0] == _EventType.Allocation:
-                fields = event.typed[1]
-                samples.append((event.start_time_ns, fields.alloc_size, fields.total_allocated))
-            elif event.name.startswith("tidal_mark:"):
-                marks[event.name.removeprefix("tidal_mark:")] = event.start_time_ns
+        samples, marks = profiled_allocations(self.profile, "tidal_mark:")
         timeline = allocation_timeline(counted_allocations(samples), marks)
         # the same events replayed without the counter: what this thread saw allocated and freed
         replay = allocation_timeline([(t, nbytes) for t, nbytes, _ in samples], marks)

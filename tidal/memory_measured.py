@@ -103,6 +103,26 @@ def cpu_memory_counted_on_all_threads() -> Iterator[None]:
         flag.value = before
 
 
+def profiled_allocations(
+    prof, mark_prefix: str = "tidal_mark:"
+) -> tuple[list[tuple[int, int, int]], dict[str, int]]:
+    """The (time, +-bytes, counter after it) of a finished ``torch.profiler.profile(profile_memory=True)``'s
+    allocation events, and the start time of each ``record_function(mark_prefix + name)`` by name."""
+    from torch._C._profiler import _EventType
+
+    samples, marks = [], {}
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.typed[0] == _EventType.Allocation:
+            fields = event.typed[1]
+            samples.append((event.start_time_ns, fields.alloc_size, fields.total_allocated))
+        elif event.name.startswith(mark_prefix):
+            marks[event.name.removeprefix(mark_prefix)] = event.start_time_ns
+    return samples, marks
+
+
 def counted_allocations(samples: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
     """(time, +-bytes) events whose replay follows the allocator's all-threads counter.
 

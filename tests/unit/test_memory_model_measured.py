@@ -11,6 +11,7 @@ from tidal.memory_measured import (
     cpu_memory_counted_on_all_threads,
     load_measured,
     measured_stages,
+    profiled_allocations,
     write_peak,
 )
 from tidal.memory_model import estimate, parallelism
@@ -45,7 +46,6 @@ def _profiled_allocations(free_on_other_thread):
     """(time, +-bytes, counter) of this thread's allocation events while a 1 MiB tensor is made here
     and dropped by another thread, three times."""
     import torch
-    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     held = []
@@ -57,14 +57,7 @@ def _profiled_allocations(free_on_other_thread):
             held.append(torch.empty(MiB, dtype=torch.uint8))
             free_on_other_thread(held)
             torch.empty(16, dtype=torch.uint8)  # an event on this thread after the free
-    samples, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        stack.extend(event.children)
-        if event.typed[0] == _EventType.Allocation:
-            fields = event.typed[1]
-            samples.append((event.start_time_ns, fields.alloc_size, fields.total_allocated))
-    return samples
+    return profiled_allocations(prof)[0]
 
 
 def test_frees_on_other_threads_are_counted():
