@@ -9,7 +9,7 @@ reading the KV pool in place (``[slots, kv_heads, max_seq_len, dim]``, rows are 
 ``r`` attends its first ``lengths[r]`` positions). fp32 only; the sums run in another order than the
 matmuls', so results agree with them to rounding (~1e-7), not bit for bit.
 
-The source below is compiled on first use (``cc -O3 -mavx2 -mfma -ffast-math``, well under a second) into
+The source below is compiled on first use (``cc -O3 -mavx2 -mfma -ffast-math -c``, then linked without ``-ffast-math``; well under a second) into
 ``$TIDAL_KERNEL_CACHE`` (default ``~/.cache/tidal/kernels``), keyed by a hash of the source and flags, and
 loaded with ctypes, which releases the GIL for the call. Where that cannot happen (no AVX2, no compiler, not
 x86-64, a failed build) :func:`load` says why and the engine keeps PyTorch's matmuls.
@@ -30,7 +30,12 @@ from pathlib import Path
 import torch
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-ffast-math", "-fPIC", "-shared"]
+# -ffast-math when compiling only: a shared object LINKED with it gets crtfastmath's constructor, which at
+# load sets flush-to-zero and denormals-are-zero for the whole process (every float op of the engine, and of
+# a test process: hypothesis then refuses its float strategies); the link step runs without it
+_COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma", "-ffast-math", "-fPIC", "-c"]
+_LINK_FLAGS = ["-shared"]
+_FLAGS = [*_COMPILE_FLAGS, "|", *_LINK_FLAGS]  # the cache key
 _SOURCE = r"""
 #include <immintrin.h>
 #include <math.h>
@@ -139,12 +144,15 @@ def _build(compiler: str, target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         src = Path(tmp) / "decode_attention.c"
         src.write_text(_SOURCE)
+        obj = Path(tmp) / "decode_attention.o"
         out = Path(tmp) / target.name
-        proc = subprocess.run(
-            [compiler, *_FLAGS, str(src), "-o", str(out), "-lm"], capture_output=True, text=True, timeout=120
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-400:]}")
+        for cmd in (
+            [compiler, *_COMPILE_FLAGS, str(src), "-o", str(obj)],
+            [compiler, *_LINK_FLAGS, str(obj), "-o", str(out), "-lm"],
+        ):
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-400:]}")
         os.replace(out, target)
 
 

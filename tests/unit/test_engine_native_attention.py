@@ -20,6 +20,14 @@ KERNEL, HOW = native_attention.load()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"native decode attention unavailable: {HOW}")
 
 
+def test_loading_the_kernel_leaves_the_processs_floating_point_mode_alone():
+    # a library built with -ffast-math sets flush-to-zero / denormals-are-zero for the whole process when
+    # it loads (hypothesis' float strategies then refuse to run, and every float op of the engine changes)
+    tiny = 5e-324  # the smallest subnormal double
+    assert tiny * 1.0 > 0.0
+    assert float(torch.tensor([1e-40], dtype=torch.float32) * 1.0) > 0.0
+
+
 def reference_attention(q, keys, values, lengths, scaling):
     """Plain PyTorch: each row's query heads over its first ``lengths[r]`` keys (GQA by repeating K/V)."""
     rows, heads, dim = q.shape
