@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
-import os
 import shutil
 import statistics
 import sys
@@ -51,6 +50,9 @@ from tidal.broker.config import BrokerConfig
 from tidal.broker.testing import start_broker
 from tidal.broker.types import Group, Sample
 from tidal.procs import free_port, stop
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from proc_stats import cpu_seconds, status_kib, thread_cpu_seconds  # noqa: E402
 
 PRODUCERS = 2
 BATCH_WAIT_S = 120.0  # a consumer that gets no batch this long gives up (a producer died)
@@ -271,8 +273,8 @@ def run_broker(
         ):
             trainer.register("trainer", "bench")
             time.sleep(0.5)
-            broker0 = _cpu_seconds(proc.pid)
-            threads0 = _thread_cpu_seconds(proc.pid)
+            broker0 = cpu_seconds(proc.pid)
+            threads0 = thread_cpu_seconds(proc.pid)
             go.set()
             t0, c0 = time.perf_counter(), time.process_time()
             groups_left = per_producer * PRODUCERS
@@ -292,8 +294,8 @@ def run_broker(
                     trainer.publish_version(batch.batch_id + 1, wait=wait)
                 trainer.report_consumed(batch.batch_id, wait=wait)
             elapsed, consumer = time.perf_counter() - t0, time.process_time() - c0
-            broker = _cpu_seconds(proc.pid) - broker0
-            threads = _thread_cpu_seconds(proc.pid)
+            broker = cpu_seconds(proc.pid) - broker0
+            threads = thread_cpu_seconds(proc.pid)
             # By thread: ZeroMQ's I/O thread (receiving group frames), the event loop ("python"), the
             # journal's writer and fsync threads: where the broker's time goes.
             per = {
@@ -302,7 +304,7 @@ def run_broker(
                 if v - threads0.get(k, 0.0) > 0
             }
             print(
-                f"    broker threads, CPU us/sample: {per}; broker peak RSS {_peak_rss_mb(proc.pid):.0f} MB",
+                f"    broker threads, CPU us/sample: {per}; broker peak RSS {status_kib('VmHWM', proc.pid) / 1024:.0f} MB",
                 file=sys.stderr,
             )
         producers = sum(cpu.get() for _ in procs)
@@ -316,33 +318,6 @@ def run_broker(
                 p.join()
         stop(proc)
         shutil.rmtree(run_dir, ignore_errors=True)  # its journal: GBs at 32K tokens
-
-
-def _thread_cpu_seconds(pid: int) -> dict[str, float]:
-    """CPU seconds of each thread of a running process, by thread name (Linux)."""
-    out: dict[str, float] = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            name = (task / "comm").read_text().strip()
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return out
-
-
-def _peak_rss_mb(pid: int) -> float:
-    """Peak resident memory of a running process, MB (Linux)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a running process, all its threads (from /proc; Linux)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # ------------------------------------------------------------------------------------------------ ray

@@ -38,6 +38,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from proc_stats import status_kib  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 
 # Qwen3-0.6B's architecture (its public config.json): 28 layers, hidden 1024, 16 heads of 128, 8 KV heads
@@ -140,13 +143,13 @@ class CpuMeter:
 
         self.counter = cpu_memory_counted_on_all_threads()
         self.counter.__enter__()
-        self.rss_before = _proc_status_kib("VmRSS") * 1024
+        self.rss_before = status_kib("VmRSS") * 1024
         _reset_peak_rss()
         self.profile.__enter__()
         return self
 
     def __exit__(self, *exc):
-        self.rss_peak = _proc_status_kib("VmHWM") * 1024
+        self.rss_peak = status_kib("VmHWM") * 1024
         self.profile.__exit__(*exc)
         self.counter.__exit__(*exc)
 
@@ -209,13 +212,6 @@ class CudaMeter:
             "static_growth_bytes": self.live["last_step"] - self.live["previous_step"],
             "max_reserved_bytes": self.reserved,
         }
-
-
-def _proc_status_kib(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    return 0
 
 
 def _reset_peak_rss() -> None:

@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,6 +36,9 @@ from tidal.rollout.main import build_pool
 from tidal.rollout.tasks import build_task
 from tidal.rollout.tasks.arithmetic import make_records
 from tidal.rollout.tasks.char_tokenizer import save_char_tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from proc_stats import cpu_seconds  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -141,14 +144,14 @@ async def main_async(a) -> dict:
     samples = a.prompts * a.group_size
 
     async def measured(path: str, run) -> None:
-        own, engine = time.process_time(), process_cpu_s(engine_pid)
+        own, engine = time.process_time(), cpu_seconds(engine_pid)
         seconds, tokens = await run
         results[path].append(
             {
                 "seconds": seconds,
                 "tokens": tokens,
                 "own_cpu_ms_per_sample": 1e3 * (time.process_time() - own) / samples,
-                "engine_cpu_ms_per_sample": 1e3 * (process_cpu_s(engine_pid) - engine) / samples,
+                "engine_cpu_ms_per_sample": 1e3 * (cpu_seconds(engine_pid) - engine) / samples,
             }
         )
 
@@ -176,13 +179,6 @@ async def main_async(a) -> dict:
         "node_over_direct": rates["node"] / rates["direct"],
         "node_over_direct_n": rates["node"] / rates["direct_n"],
     }
-
-
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads) so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
