@@ -144,9 +144,13 @@ def plan_buckets(
     return done
 
 
-def checksum(buf: torch.Tensor) -> int:
-    """CRC32 of a bucket's bytes (optional verification: the sender announces it, the receiver compares)."""
-    return zlib.crc32(buf.detach().cpu().contiguous().view(torch.uint8).numpy())
+def checksum(buf: torch.Tensor | list[torch.Tensor]) -> int:
+    """CRC32 of a bucket's bytes, or of its broadcasts' bytes one after the other (optional verification:
+    the sender announces it, the receiver compares with its buffer)."""
+    crc = 0
+    for part in [buf] if isinstance(buf, torch.Tensor) else buf:
+        crc = zlib.crc32(part.detach().cpu().contiguous().view(torch.uint8).numpy(), crc)
+    return crc
 
 
 def stream_buckets(

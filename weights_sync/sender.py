@@ -21,7 +21,6 @@ import itertools
 import queue
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -31,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from tidal.procs import free_port
-from tidal.weights_sync import bucket, receiver, transport
+from tidal.weights_sync import bucket, segments, transport
 from tidal.weights_sync.config import WeightSyncConfig
 from tidal.weights_sync.engine_api import EngineEndpoint, EngineError, EngineWeightsClient
 
@@ -309,7 +308,9 @@ class WeightSender:
                 bucket_bytes,
                 first_bytes,
                 packed=lambda t: (
-                    not (isinstance(t, torch.Tensor) and t.is_contiguous() and _nbytes(t) >= own_bytes)
+                    not (
+                        isinstance(t, torch.Tensor) and t.is_contiguous() and segments.nbytes(t) >= own_bytes
+                    )
                 ),
                 max_bytes=self.config.segmented_bytes(self.backend),
             )
@@ -319,8 +320,8 @@ class WeightSender:
                 if errors:
                     break
                 t0 = time.perf_counter()
-                runs = _segments(items, own_bytes)
-                spec = _spec([item for _, run in runs for item in run])  # the broadcasts' order
+                runs = segments.plan(items, own_bytes)
+                spec = segments.spec([item for _, run in runs for item in run])  # the broadcasts' order
                 # tensors per broadcast (only to engines that take segments), whenever there are several
                 # broadcasts or one from a tensor's own memory (the engine may then receive it in place)
                 several = len(runs) > 1 or runs[0][0] is not None
@@ -331,7 +332,7 @@ class WeightSender:
                     # broadcast finds them ready (a checksum can only be announced once packed)
                     announced = self._announce(group, spec, None, version, counts)
                 report.pack_s += time.perf_counter() - t0
-                need = sum(_nbytes(t) for own, run in runs if own is None for _, t in run)
+                need = sum(segments.nbytes(t) for own, run in runs if own is None for _, t in run)
                 # a bucket with nothing to pack takes no staging buffer: the next one's pack need not wait
                 taken = need > 0
                 staging = None
@@ -347,10 +348,10 @@ class WeightSender:
                     if own is not None:  # sent from its own memory: nothing to copy
                         payload.append(own)
                         continue
-                    n = sum(_nbytes(t) for _, t in run)
+                    n = sum(segments.nbytes(t) for _, t in run)
                     payload.append(bucket.pack(run, out=staging[offset : offset + n])[0])
                     offset += n
-                crc = _checksum(payload) if self.config.verify_checksums else None
+                crc = bucket.checksum(payload) if self.config.verify_checksums else None
                 packed = None
                 if cuda:
                     packed = torch.cuda.Event()
@@ -506,77 +507,6 @@ def _hand_over(ready: queue.Queue, item, sender: threading.Thread) -> None:
         except queue.Full:
             if not sender.is_alive():
                 raise RuntimeError("the weight-sync send thread died; see its traceback above") from None
-
-
-def _checksum(payload: list[torch.Tensor]) -> int:
-    """CRC32 of the bucket's bytes, its broadcasts one after the other (what the receiver's buffer holds)."""
-    crc = 0
-    for part in payload:
-        crc = zlib.crc32(part.detach().cpu().numpy(), crc)
-    return crc
-
-
-def _nbytes(t: bucket.Packable) -> int:
-    return t.numel() * t.element_size()
-
-
-def _spec(items: list[tuple[str, bucket.Packable]]) -> bucket.BucketSpec:
-    return bucket.BucketSpec(
-        names=[n for n, _ in items],
-        dtypes=[bucket.dtype_name(t.dtype) for _, t in items],
-        shapes=[list(t.shape) for _, t in items],
-    )
-
-
-def _segments(
-    items: list[tuple[str, bucket.Packable]], own_bytes: int | None
-) -> list[tuple[torch.Tensor | None, list[tuple[str, bucket.Packable]]]]:
-    """The bucket's broadcasts, in order: (None, run) for the small tensors, packed into the staging
-    buffer, first; then (bytes, run) for contiguous tensors lying back to back in one storage (gate and
-    up from megatron's fused fc1) of at least ``own_bytes`` together, sent from their own memory, and
-    (None, run) for q/k/v of one fused QKV, packed. The announcement lists the tensors in this order."""
-    if own_bytes is None:
-        return [(None, items)]
-    adjacent: list[list[tuple[str, bucket.Packable]]] = []  # runs of back-to-back tensors, or one packable
-    for name, t in items:
-        last = adjacent[-1] if adjacent else None
-        if (
-            last is not None
-            and isinstance(t, torch.Tensor)
-            and isinstance(last[-1][1], torch.Tensor)
-            and t.is_contiguous()
-            and last[-1][1].is_contiguous()
-            and receiver.byte_span([last[-1][1], t]) is not None
-        ) or (last is not None and _same_grouped(last[-1][1], t)):
-            last.append((name, t))
-        else:
-            adjacent.append([(name, t)])
-    loose: list[tuple[str, bucket.Packable]] = []  # small tensors: one packed broadcast, first
-    runs: list[tuple[torch.Tensor | None, list[tuple[str, bucket.Packable]]]] = []
-    for run in adjacent:
-        span = None
-        if all(isinstance(t, torch.Tensor) and t.is_contiguous() for _, t in run):
-            span = receiver.byte_span([t for _, t in run])
-        big = sum(_nbytes(t) for _, t in run) >= own_bytes
-        if span is not None and big:
-            runs.append((span, run))
-        elif isinstance(run[0][1], bucket.GroupedRows) and big:
-            # q/k/v of one fused QKV: packed (their rows interleave), but a segment of their own, which the
-            # engine can receive straight into its own fused matrix
-            runs.append((None, run))
-        else:
-            loose.extend(run)
-    # the bucket's order is free: gathering the small tensors saves broadcasts (each costs thread hand-offs)
-    return ([(None, loose)] if loose else []) + runs
-
-
-def _same_grouped(a: bucket.Packable, b: bucket.Packable) -> bool:
-    """Rows of one fused tensor (q, k and v of megatron's QKV)."""
-    return (
-        isinstance(a, bucket.GroupedRows)
-        and isinstance(b, bucket.GroupedRows)
-        and a.grouped.untyped_storage().data_ptr() == b.grouped.untyped_storage().data_ptr()
-    )
 
 
 def _failed(future: Future, timeout_s: float) -> bool:

@@ -1,0 +1,76 @@
+"""Which tensors of a bucket go out on broadcasts of their own (tidal's ``bucket_segments`` extension).
+
+To engines that declare it, a bucket may be several broadcasts: the small tensors packed into the staging
+buffer first, then contiguous runs of at least ``own_broadcast_bytes`` sent straight from the trainer's
+memory (received in place by a paused engine), and q/k/v of one fused QKV as a packed segment of its own.
+The announcement lists the tensors in the broadcasts' order (:func:`spec`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tidal.weights_sync import bucket, receiver
+
+
+def nbytes(t: bucket.Packable) -> int:
+    return t.numel() * t.element_size()
+
+
+def spec(items: list[tuple[str, bucket.Packable]]) -> bucket.BucketSpec:
+    return bucket.BucketSpec(
+        names=[n for n, _ in items],
+        dtypes=[bucket.dtype_name(t.dtype) for _, t in items],
+        shapes=[list(t.shape) for _, t in items],
+    )
+
+
+def plan(
+    items: list[tuple[str, bucket.Packable]], own_bytes: int | None
+) -> list[tuple[torch.Tensor | None, list[tuple[str, bucket.Packable]]]]:
+    """The bucket's broadcasts, in order: (None, run) for the small tensors, packed into the staging
+    buffer, first; then (bytes, run) for contiguous tensors lying back to back in one storage (gate and
+    up from megatron's fused fc1) of at least ``own_bytes`` together, sent from their own memory, and
+    (None, run) for q/k/v of one fused QKV, packed. The announcement lists the tensors in this order."""
+    if own_bytes is None:
+        return [(None, items)]
+    adjacent: list[list[tuple[str, bucket.Packable]]] = []  # runs of back-to-back tensors, or one packable
+    for name, t in items:
+        last = adjacent[-1] if adjacent else None
+        if (
+            last is not None
+            and isinstance(t, torch.Tensor)
+            and isinstance(last[-1][1], torch.Tensor)
+            and t.is_contiguous()
+            and last[-1][1].is_contiguous()
+            and receiver.byte_span([last[-1][1], t]) is not None
+        ) or (last is not None and same_grouped(last[-1][1], t)):
+            last.append((name, t))
+        else:
+            adjacent.append([(name, t)])
+    loose: list[tuple[str, bucket.Packable]] = []  # small tensors: one packed broadcast, first
+    runs: list[tuple[torch.Tensor | None, list[tuple[str, bucket.Packable]]]] = []
+    for run in adjacent:
+        span = None
+        if all(isinstance(t, torch.Tensor) and t.is_contiguous() for _, t in run):
+            span = receiver.byte_span([t for _, t in run])
+        big = sum(nbytes(t) for _, t in run) >= own_bytes
+        if span is not None and big:
+            runs.append((span, run))
+        elif isinstance(run[0][1], bucket.GroupedRows) and big:
+            # q/k/v of one fused QKV: packed (their rows interleave), but a segment of their own, which the
+            # engine can receive straight into its own fused matrix
+            runs.append((None, run))
+        else:
+            loose.extend(run)
+    # the bucket's order is free: gathering the small tensors saves broadcasts (each costs thread hand-offs)
+    return ([(None, loose)] if loose else []) + runs
+
+
+def same_grouped(a: bucket.Packable, b: bucket.Packable) -> bool:
+    """Rows of one fused tensor (q, k and v of megatron's QKV)."""
+    return (
+        isinstance(a, bucket.GroupedRows)
+        and isinstance(b, bucket.GroupedRows)
+        and a.grouped.untyped_storage().data_ptr() == b.grouped.untyped_storage().data_ptr()
+    )
