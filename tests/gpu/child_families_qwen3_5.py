@@ -182,9 +182,9 @@ def main() -> None:
     chunks32, _, mapping, loaded = _megatron(model, hf, torch.float32, device)
     full = {n for n, _ in mapping.to_megatron(hf)}
     result["not_loaded"] = sorted(full - loaded)
-    from tidal.trainer.families.gated_delta_rule import fla_backward_refusal
+    from tidal.trainer.families.gated_delta_rule import fla_backward_refusal, installed
 
-    result["gated_delta_rule"] = chunks32[0].tidal_gated_delta_rule
+    result["gated_delta_rule"] = installed(chunks32)
     result["fla_backward_refusal"] = fla_backward_refusal()
     out = _logits(chunks32[0], ref32, ids, device)
     for layout in ("batch", "packed"):

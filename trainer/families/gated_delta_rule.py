@@ -101,6 +101,16 @@ def resolve(choice: Choice) -> Literal["fla", "torch"]:
     return "torch"
 
 
+def installed(chunks) -> str:
+    """The rule the chunks' GatedDeltaNet layers run: ``fla``, ``torch``, or ``none`` without such layers."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    rules = {m.gated_delta_rule for chunk in chunks for m in chunk.modules() if isinstance(m, GatedDeltaNet)}
+    if not rules:
+        return "none"
+    return "torch" if rules == {torch_packed} else "fla"
+
+
 def install(chunks, choice: Choice) -> str:
     """Point every GatedDeltaNet of ``chunks`` at the chosen rule; returns the resolved choice."""
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
@@ -112,6 +122,4 @@ def install(chunks, choice: Choice) -> str:
     if resolved == "torch":
         for module in modules:
             module.gated_delta_rule = torch_packed
-    for chunk in chunks:
-        chunk.tidal_gated_delta_rule = resolved
     return resolved
