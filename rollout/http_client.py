@@ -141,14 +141,7 @@ class SGLangClient(EngineClient):
         rid: str | None = None,
         return_logprob: bool = True,
     ) -> GenerateResult:
-        body: dict[str, Any] = {
-            "input_ids": list(input_ids),
-            "sampling_params": dict(sampling_params),
-            "return_logprob": return_logprob,
-            "stream": False,
-        }
-        if rid is not None:
-            body["rid"] = rid
+        body = _generate_body(input_ids, dict(sampling_params), rid, return_logprob)
         data = (await self._request("POST", "/generate", body)).json()
         return parse_generate_response(data, prompt_tokens=len(input_ids))
 
@@ -165,14 +158,7 @@ class SGLangClient(EngineClient):
         requests named ``{rid}_{i}``."""
         if n == 1:
             return [await self.generate(input_ids, sampling_params, rid=rid, return_logprob=return_logprob)]
-        body: dict[str, Any] = {
-            "input_ids": list(input_ids),
-            "sampling_params": {**sampling_params, "n": n},
-            "return_logprob": return_logprob,
-            "stream": False,
-        }
-        if rid is not None:
-            body["rid"] = rid
+        body = _generate_body(input_ids, {**sampling_params, "n": n}, rid, return_logprob)
         data = (await self._request("POST", "/generate", body)).json()
         if not isinstance(data, list) or len(data) != n:
             raise EngineError(
@@ -315,3 +301,18 @@ def _error_message(resp: Response) -> str:
         if "detail" in data:
             return str(data["detail"])
     return str(data)[:500]
+
+
+def _generate_body(
+    input_ids: list[int], sampling_params: dict[str, Any], rid: str | None, return_logprob: bool
+) -> dict[str, Any]:
+    """SGLang's ``/generate`` request (``GenerateReqInput``) for token ids, without streaming."""
+    body: dict[str, Any] = {
+        "input_ids": list(input_ids),
+        "sampling_params": sampling_params,
+        "return_logprob": return_logprob,
+        "stream": False,
+    }
+    if rid is not None:
+        body["rid"] = rid
+    return body
