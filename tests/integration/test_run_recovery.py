@@ -55,6 +55,25 @@ def _wait(predicate, timeout_s: float, proc: subprocess.Popen, what: str) -> Non
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _checkpointed_step(run_dir: Path) -> int:
+    markers = list(run_dir.rglob("checkpoints/latest"))
+    return json.loads(markers[0].read_text())["step"] if markers else 0
+
+
+def _kill_between_checkpoints(pid: int, run_dir: Path, timeout_s: float = 120) -> None:
+    """SIGKILL the trainer at a moment when it has recorded a step after its latest checkpoint (so that step
+    must run again): stopped (SIGSTOP) to look, let run on (SIGCONT) while the two are level."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        os.kill(pid, signal.SIGSTOP)
+        recorded = max((m["step"] for m in _steps(run_dir)), default=0)
+        if recorded > _checkpointed_step(run_dir) or time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            return
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.05)
+
+
 @pytest.mark.slow
 def test_job_recovers_from_sigkill_of_a_rollout_node_and_of_the_trainer(tmp_path: Path):
     run_dir = tmp_path / "run"
@@ -99,7 +118,7 @@ def test_job_recovers_from_sigkill_of_a_rollout_node_and_of_the_trainer(tmp_path
         _wait(lambda: len(_steps(run_dir)) >= 5, 300, proc, "five GRPO steps (a checkpoint at step 4)")
         trainer_pid = _trainer_worker_pid(run_dir)
         assert trainer_pid is not None, "no trainer process found"
-        os.kill(trainer_pid, signal.SIGKILL)
+        _kill_between_checkpoints(trainer_pid, run_dir)
         proc.wait(timeout=500)
     finally:
         if proc.poll() is None:
