@@ -71,6 +71,12 @@ def parse_args() -> argparse.Namespace:
         help="the lean decode's attention on CPU: the native AVX2 kernel where it builds (auto), or torch's matmuls",
     )
     p.add_argument(
+        "--cpu-step",
+        default="auto",
+        choices=["auto", "native", "torch"],
+        help="the lean decode and prefill on CPU: one native call per step (auto: with --threads 1), or PyTorch ops",
+    )
+    p.add_argument(
         "--decode-burst",
         type=int,
         default=DEFAULT_DECODE_BURST,
@@ -204,6 +210,7 @@ def main() -> None:
         decode=a.decode,
         decode_burst=a.decode_burst,
         cpu_attention=a.cpu_attention,
+        cpu_step=a.cpu_step,
     )
     t_start = time.perf_counter()
     sched.start()
@@ -217,7 +224,8 @@ def main() -> None:
         # includes the CUDA graph captures, which run on the scheduler thread before its first step
         engine_start_s = time.perf_counter() - t_start
         print(
-            f"engine decode path: {sched.decode_mode} ({sched.decode_reason}); attention: {sched.attention}; "
+            f"engine decode path: {sched.decode_mode} ({sched.decode_reason}); CPU step: {sched.step}; "
+            f"attention: {sched.attention}; "
             f"burst {a.decode_burst}; transformers cache: {a.hf_cache}; ready in {engine_start_s:.1f} s"
         )
         for b in batch_sizes:
@@ -289,6 +297,7 @@ def main() -> None:
         "decode": sched.decode_mode,
         "decode_reason": sched.decode_reason,
         "decode_attention": sched.attention,
+        "cpu_step": sched.step,
         "decode_burst": a.decode_burst,
         "transformers_cache": a.hf_cache,
         "engine_ready_s": round(engine_start_s, 2),

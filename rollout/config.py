@@ -58,6 +58,14 @@ class EmbeddedEngineConfig(BaseModel):
         "system C compiler (native), or PyTorch's matmuls (torch); auto: native where it builds, else torch "
         "(/server_info says which and why)",
     )
+    cpu_step: Literal["auto", "native", "torch"] = Field(
+        "auto",
+        description="how the lean decode and prefill run on CPU (fp32): each step as one call into a C kernel "
+        "compiled once with the system C compiler (native: every layer's GEMMs, norms, rotary, attention and "
+        "MoE routing; single-threaded, AVX-512 or AVX2 build), or PyTorch ops (torch); auto: native where it "
+        "builds and the engine runs one intra-op thread (num_threads=1), else torch (/server_info says which "
+        "and why)",
+    )
 
 
 class SGLangEngineConfig(BaseModel):

@@ -69,8 +69,12 @@ class DecodeGraphs:
 
     def __init__(self, decoder: LeanDecoder, max_rows: int, max_seq_len: int, *, capture: bool):
         self.decoder = decoder
-        # the static-shape MoE paths, which graphs can capture (padding without capture runs the same ones)
+        # the static-shape MoE paths, which graphs can capture (padding without capture runs the same ones),
+        # and PyTorch's ops on CPU too, which is what the bucketed mode is there to check
         decoder.grouped_mm = False
+        if decoder.native_step is not None:
+            decoder.native_step = None
+            decoder.step = "torch (the padded CUDA-graph step runs PyTorch's ops)"
         self.device = decoder.device
         self.rows_buckets = batch_buckets(max_rows)
         self.len_buckets = length_buckets(max_seq_len)

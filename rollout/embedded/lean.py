@@ -25,12 +25,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tidal.rollout.embedded import native_attention
+from tidal.rollout.embedded import native_attention, native_step
 from tidal.rollout.embedded.kv_cache import KVPool
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
 # CPU decode attention: the native kernel (native_attention.py) where it builds, else PyTorch's matmuls
 CPU_ATTENTION = ("auto", "native", "torch")
+# how the whole step runs on CPU: one call into the native step (native_step.py; single-threaded), or PyTorch
+# ops (attention per CPU_ATTENTION); auto: native where it builds and the engine runs one intra-op thread
+CPU_STEP = ("auto", "native", "torch")
 # SDPA kernels for the decode attention: the memory-efficient one takes the length mask and is captured
 # by CUDA graphs; math is the always-available fallback. (cuDNN's builds a plan per shape, which a capture
 # must not do.)
@@ -82,12 +85,14 @@ class _Layer:
 class LeanDecoder:
     """One decode token for rows ``0..n-1`` of the pool: ``logits = decoder(ids, positions, kv_len)``."""
 
-    def __init__(self, lm: nn.Module, pool: KVPool, cpu_attention: str = "auto"):
+    def __init__(self, lm: nn.Module, pool: KVPool, cpu_attention: str = "auto", cpu_step: str = "auto"):
         reason = unsupported_reason(lm)
         if reason is not None:
             raise ValueError(f"lean decode does not support this model: {reason}")
         if cpu_attention not in CPU_ATTENTION:
             raise ValueError(f"cpu_attention={cpu_attention!r}: choose one of {list(CPU_ATTENTION)}")
+        if cpu_step not in CPU_STEP:
+            raise ValueError(f"cpu_step={cpu_step!r}: choose one of {list(CPU_STEP)}")
         config = lm.config
         self.lm = lm
         self.pool = pool
@@ -125,6 +130,24 @@ class LeanDecoder:
         shape = (self.kv_heads, self.head_dim)
         for layer in range(len(self.layers)):
             pool.preallocate(layer, shape, shape, self.dtype)
+        self.native_step, self.step = self._native_step(cpu_step)
+
+    def _native_step(self, requested: str) -> tuple[native_step.NativeStep | None, str]:
+        """The native whole-step kernel and a description of how the step runs (why not native)."""
+        if requested == "torch":
+            return None, "torch (asked for)"
+        problem = native_step.unsupported_reason(self)
+        if problem is None and requested == "auto" and torch.get_num_threads() != 1:
+            problem = (
+                f"the engine runs {torch.get_num_threads()} intra-op threads and the native step one "
+                "(rollout.engine.num_threads=1 or cpu_step=native picks it)"
+            )
+        lib, how = (None, problem) if problem else native_step.load()
+        if lib is None:
+            if requested == "native":
+                raise ValueError(f"cpu_step='native' is not available: {how}")
+            return None, f"torch ({how})" if self.device.type == "cpu" else "torch"
+        return native_step.NativeStep(self, lib), f"native ({how})"
 
     def _native_attention(self, requested: str) -> tuple[native_attention.NativeDecodeAttention | None, str]:
         """The native CPU decode attention and a description of the attention in use (why not native)."""
@@ -187,6 +210,8 @@ class LeanDecoder:
         ``kv_len`` > every position; ``masked``: rows differ in position (else every row is at position
         ``kv_len - 1`` and sees its whole cache).
         """
+        if self.native_step is not None:
+            return self.native_step(ids, positions)
         cos = self.cos[positions][:, None, :]  # [rows, 1, d]: broadcasts over heads
         sin = self.sin_signed[positions][:, None, :]
         native = self.native is not None and not self.sdpa_attention

@@ -9,34 +9,23 @@ reading the KV pool in place (``[slots, kv_heads, max_seq_len, dim]``, rows are 
 ``r`` attends its first ``lengths[r]`` positions). fp32 only; the sums run in another order than the
 matmuls', so results agree with them to rounding (~1e-7), not bit for bit.
 
-The source below is compiled on first use (``cc -O3 -mavx2 -mfma -ffast-math -c``, then linked without ``-ffast-math``; well under a second) into
-``$TIDAL_KERNEL_CACHE`` (default ``~/.cache/tidal/kernels``), keyed by a hash of the source and flags, and
-loaded with ctypes, which releases the GIL for the call. Where that cannot happen (no AVX2, no compiler, not
-x86-64, a failed build) :func:`load` says why and the engine keeps PyTorch's matmuls.
+The source below is built by ``native_build.py`` (compiled once with the system C compiler, per instruction
+set, cached, loaded with ctypes, which releases the GIL for the call); ``native_step.py`` compiles it into
+its own library too, where the whole decode step calls :c:func:`head`. Where it cannot be built (no AVX2,
+no compiler, not x86-64, a failed build) :func:`load` says why and the engine keeps PyTorch's matmuls.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from functools import cache
-from pathlib import Path
 
 import torch
 
+from tidal.rollout.embedded import native_build
+
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
-# -ffast-math when compiling only: a shared object LINKED with it gets crtfastmath's constructor, which at
-# load sets flush-to-zero and denormals-are-zero for the whole process (every float op of the engine, and of
-# a test process: hypothesis then refuses its float strategies); the link step runs without it
-_COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma", "-ffast-math", "-fPIC", "-c"]
-_LINK_FLAGS = ["-shared"]
-_FLAGS = [*_COMPILE_FLAGS, "|", *_LINK_FLAGS]  # the cache key
-_SOURCE = r"""
+SOURCE = r"""
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -124,62 +113,17 @@ int tidal_decode_attention(const float *q, int64_t q_row_stride, const float *K,
 """
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("TIDAL_KERNEL_CACHE")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tidal" / "kernels"
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _build(compiler: str, target: Path) -> None:
-    """Compile into a temporary file beside ``target`` and rename it there (engines may build at once)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src = Path(tmp) / "decode_attention.c"
-        src.write_text(_SOURCE)
-        obj = Path(tmp) / "decode_attention.o"
-        out = Path(tmp) / target.name
-        for cmd in (
-            [compiler, *_COMPILE_FLAGS, str(src), "-o", str(obj)],
-            [compiler, *_LINK_FLAGS, str(obj), "-o", str(out), "-lm"],
-        ):
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-400:]}")
-        os.replace(out, target)
-
-
 @cache
 def load() -> tuple[ctypes._CFuncPtr | None, str]:
     """The compiled kernel, or None and why not (the reason is shown in the engine's /server_info)."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return None, f"the native decode attention is x86-64 (AVX2) code; this is {platform.machine()}"
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in ("AVX2", "AVX512"):
-        return None, f"this CPU has no AVX2 (torch reports {capability})"
-    compiler = _compiler()
-    if compiler is None:
-        return None, "no C compiler (cc, gcc or clang, or $CC) to build the native decode attention"
-    digest = hashlib.sha256((_SOURCE + " ".join(_FLAGS)).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"decode_attention-{digest}.so"
-    try:
-        if not target.exists():
-            _build(compiler, target)
-        lib = ctypes.CDLL(str(target))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        return None, f"building or loading the native decode attention failed: {exc}"
+    lib, how = native_build.load(SOURCE)
+    if lib is None:
+        return None, how
     fn = lib.tidal_decode_attention
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, ctypes.c_float, ptr]
     fn.restype = ctypes.c_int
-    return fn, f"native (AVX2 kernel at {target})"
+    return fn, f"native ({how})"
 
 
 class NativeDecodeAttention:

@@ -45,6 +45,8 @@ class LeanPrefill:
         rows, width = ids.shape
         if width > d.cos.shape[0]:
             raise ValueError(f"a prefill of {width} tokens exceeds the KV pool's {d.cos.shape[0]} positions")
+        if d.native_step is not None:
+            return self._native(ids, lengths, slots)
         heads, kv_heads, dim = d.heads, d.kv_heads, d.head_dim
         qk_width = d.qk_heads * dim
         cos = d.cos[:width][None, :, None, :]  # [1, width, 1, dim]: broadcasts over rows and heads
@@ -75,3 +77,14 @@ class LeanPrefill:
             h = h + (d._mlp(x, layer) if layer.router is None else d._moe(x, layer))
         last = torch.tensor(lengths, device=d.device) - 1 + torch.arange(rows, device=d.device) * width
         return F.linear(d._norm(h[last], d.final_norm), d.lm_head)
+
+    def _native(self, ids: torch.Tensor, lengths: list[int], slots: list[int]) -> torch.Tensor:
+        """The native step over the rows' real tokens only (no padding): token ``t`` of a row is a step row
+        at position ``t`` of the row's slot, and the logits are those of each row's last token."""
+        rows, width = ids.shape
+        lengths_t = torch.tensor(lengths)
+        real = torch.arange(width)[None, :] < lengths_t[:, None]
+        positions = torch.arange(width).expand(rows, width)[real]
+        token_slots = torch.tensor(slots)[:, None].expand(rows, width)[real]
+        last = torch.cumsum(lengths_t, 0) - 1
+        return self.d.native_step(ids.cpu()[real], positions, token_slots, last)

@@ -94,11 +94,14 @@ class Scheduler:
         decode_burst: int = DEFAULT_DECODE_BURST,
         cpu_attention: str = "auto",
         prefill: str | None = None,
+        cpu_step: str = "auto",
     ):
         """``decode``: one of DECODE_MODES; None picks CUDA graphs on CUDA, else the lean forward, and
         transformers' modules for models the lean forward does not cover (``decode_reason`` says why).
         ``decode_burst``: lean decode steps run back to back while no request joins or ends by length.
         ``cpu_attention``: the lean decode's attention on CPU (lean.CPU_ATTENTION; ``attention`` says which).
+        ``cpu_step``: the lean decode and prefill as one native call per step on CPU, or PyTorch ops
+        (lean.CPU_STEP; ``step`` says which and why).
         ``prefill``: one of PREFILL_MODES; None picks the lean prefill on CPU wherever the lean decode runs
         and ``prefill.lean_prefill_reason`` has no objection, else transformers' modules (``prefill_reason``)."""
         self.lm = lm
@@ -120,16 +123,17 @@ class Scheduler:
         self.pool = KVPool(lm.config.num_hidden_layers, max_batch_size, max_seq_len, self.device)
         self.decode_mode, self.decode_reason = self._decode_mode(decode)
         self._lean_step: EagerDecode | DecodeGraphs | None = None
-        self.attention = "transformers' modules"
+        self.attention = self.step = "transformers' modules"
         lean = None
         if self.decode_mode != "transformers":
-            lean = LeanDecoder(lm, self.pool, cpu_attention=cpu_attention)
+            lean = LeanDecoder(lm, self.pool, cpu_attention=cpu_attention, cpu_step=cpu_step)
             self.attention = lean.attention
             if self.decode_mode == "lean":
                 self._lean_step = EagerDecode(lean)
             else:
                 graphs = self.decode_mode == "cuda_graphs"
                 self._lean_step = DecodeGraphs(lean, max_batch_size, max_seq_len, capture=graphs)
+            self.step = lean.step
         self.prefill_mode, self.prefill_reason = self._prefill_mode(prefill, lean)
         self._lean_prefill = LeanPrefill(lean) if self.prefill_mode == "lean" else None
         self.waiting: collections.deque[Request] = collections.deque()
@@ -513,6 +517,7 @@ class Scheduler:
             "decode": self.decode_mode,
             "decode_reason": self.decode_reason,
             "decode_attention": self.attention,
+            "cpu_step": self.step,
             "prefill": self.prefill_mode,
             "prefill_reason": self.prefill_reason,
         }

@@ -60,6 +60,7 @@ class EmbeddedEngine:
             decode=None if engine.decode == "auto" else engine.decode,
             decode_burst=engine.decode_burst,
             cpu_attention=engine.cpu_attention,
+            cpu_step=engine.cpu_step,
         )
         self.model_path = model.path or f"random-init:{self.model_config.family}:seed={seed}"
         self.served_model_name = engine.served_model_name or self.model_path

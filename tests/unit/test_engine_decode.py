@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 
+from tidal.rollout.embedded import native_step
 from tidal.rollout.embedded.decode_step import DecodeGraphs, EagerDecode, batch_buckets, length_buckets
 from tidal.rollout.embedded.kv_cache import KVPool
 from tidal.rollout.embedded.lean import LeanDecoder
@@ -23,6 +24,10 @@ from tidal.rollout.embedded.scheduler import Request, Scheduler
 from tidal.rollout.embedded.testing import PROMPTS, tiny_config
 
 FAMILIES = ["qwen3", "qwen3_moe"]
+NATIVE_LIB, NATIVE_HOW = native_step.load()
+NATIVE = pytest.param(
+    "native", marks=pytest.mark.skipif(NATIVE_LIB is None, reason=f"native step unavailable: {NATIVE_HOW}")
+)
 
 
 def model(family: str, seed: int):
@@ -155,14 +160,22 @@ def test_pool_move_and_take():
     assert pool.free_slots == 1 and pool.allocate() == 3
 
 
-def test_lean_decode_sees_weight_loads_by_checkpoint_name():
+@pytest.mark.parametrize("cpu_step", [NATIVE, "torch"])
+def test_lean_decode_sees_weight_loads_by_checkpoint_name(cpu_step):
     """The lean forward reads the model's tensors in place: loads by name (fused Q/K/V views, per-expert
-    slices, embeddings) change its output exactly as they change transformers'."""
+    slices, embeddings) change its output exactly as they change transformers', PyTorch's ops and the
+    native step alike."""
     lm = model("qwen3_moe", seed=13)
     sched = Scheduler(
-        lm, max_batch_size=4, max_seq_len=64, max_prefill_tokens=4096, device="cpu", eos_token_ids=[]
+        lm,
+        max_batch_size=4,
+        max_seq_len=64,
+        max_prefill_tokens=4096,
+        device="cpu",
+        eos_token_ids=[],
+        cpu_step=cpu_step,
     )
-    assert sched.decode_mode == "lean"
+    assert sched.decode_mode == "lean" and sched.step.startswith(cpu_step)
     sched.start()
     try:
         before = run(sched, PROMPTS[:2], [12, 12])
@@ -234,13 +247,18 @@ def test_graph_capture_that_fails_is_reported_and_the_padded_step_still_runs():
     )
 
 
-@pytest.mark.parametrize("attention", ["auto", "torch"])
+@pytest.mark.parametrize(
+    ("cpu_step", "attention"),
+    [pytest.param(*NATIVE.values, "auto", marks=NATIVE.marks), ("torch", "auto"), ("torch", "torch")],
+)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_decode_bursts_equal_transformers_and_a_stop_token_ends_its_row_mid_burst(family, attention):
+def test_decode_bursts_equal_transformers_and_a_stop_token_ends_its_row_mid_burst(
+    family, cpu_step, attention
+):
     """Several lean decode steps per scheduler iteration (tokens read by the host once per burst): a row whose
     stop token comes in the middle of a burst ends exactly there, the others go on, and every row still equals
-    transformers' greedy tokens and teacher-forced logprobs; with the native CPU attention where it builds
-    (auto) and with PyTorch's matmuls."""
+    transformers' greedy tokens and teacher-forced logprobs; with the native step, and with PyTorch's ops with
+    the native CPU attention where it builds (auto) and with PyTorch's matmuls."""
     # seeds whose greedy output has a first-time token inside the first burst (random tiny models repeat)
     lm = model(family, seed={"qwen3": 17, "qwen3_moe": 16}[family])
     ref = reference(lm)
@@ -258,7 +276,9 @@ def test_decode_bursts_equal_transformers_and_a_stop_token_ends_its_row_mid_burs
         eos_token_ids=[],
         decode_burst=8,
         cpu_attention=attention,
+        cpu_step=cpu_step,
     )
+    assert sched.step.startswith(cpu_step)
     assert sched.attention.startswith("torch" if attention == "torch" else ("native", "torch"))
     appended: list[int] = []  # tokens handed to the requests per scheduler iteration
     append = sched._append

@@ -15,12 +15,23 @@ import torch
 import transformers
 
 from tidal.model_config import ModelConfig
+from tidal.rollout.embedded import native_step
 from tidal.rollout.embedded.model import build_model
 from tidal.rollout.embedded.sampling import SamplingParams
 from tidal.rollout.embedded.scheduler import Request, Scheduler
 from tidal.rollout.embedded.testing import PROMPTS, TINY_SHAPES, tiny_config
 
 FAMILIES = list(TINY_SHAPES)
+NATIVE_LIB, NATIVE_HOW = native_step.load()
+NATIVE = pytest.param(
+    "native", marks=pytest.mark.skipif(NATIVE_LIB is None, reason=f"native step unavailable: {NATIVE_HOW}")
+)
+# the lean families run once per CPU step (the native kernel, PyTorch's ops); DeepSeek-V3 decodes through
+# transformers' modules, where the step setting does not apply
+FAMILY_STEPS = [
+    *[pytest.param(f, "native", marks=NATIVE.marks, id=f"{f}-native") for f in ("qwen3", "qwen3_moe")],
+    *[pytest.param(f, "torch", id=f"{f}-torch") for f in FAMILIES],
+]
 
 
 def model_config(family: str) -> ModelConfig:
@@ -50,10 +61,21 @@ class Collector:
         return self.done
 
 
-def make_scheduler(lm, **kw) -> Scheduler:
+def make_scheduler(lm, *, paced: bool = False, **kw) -> Scheduler:
+    """A started scheduler; ``paced``: each decode step takes at least 2 ms, so that a pause or abort sent
+    after a request's first few tokens lands before its last one, however fast the step (the native step
+    runs a tiny model's decode step in tens of microseconds)."""
     args = dict(max_batch_size=8, max_seq_len=96, max_prefill_tokens=4096, device="cpu", eos_token_ids=[])
     args.update(kw)
     sched = Scheduler(lm, **args)
+    if paced and sched._lean_step is not None:
+        step = sched._lean_step
+
+        def paced_step(*step_args):
+            time.sleep(0.002)
+            return step(*step_args)
+
+        sched._lean_step = paced_step
     sched.start()
     return sched
 
@@ -71,11 +93,11 @@ def check_against_reference(ref, prompt: list[int], req: Request, max_new: int) 
     assert torch.allclose(torch.tensor(req.output_logprobs), teacher.squeeze(1), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_matches_transformers_with_requests_joining_a_running_batch(family):
+@pytest.mark.parametrize(("family", "cpu_step"), FAMILY_STEPS)
+def test_greedy_matches_transformers_with_requests_joining_a_running_batch(family, cpu_step):
     lm = build_model(model_config(family), seed=1, device="cpu", dtype="float32")
     ref = reference(lm)
-    sched = make_scheduler(lm)
+    sched = make_scheduler(lm, paced=True, cpu_step=cpu_step)
     try:
         collect = Collector(len(PROMPTS))
         # request 1 stops early, leaving slots 0, 2, 3: a decode batch over non-adjacent slots
@@ -109,11 +131,12 @@ def test_greedy_matches_transformers_with_requests_joining_a_running_batch(famil
         sched.stop()
 
 
+@pytest.mark.parametrize("cpu_step", [NATIVE, "torch"])
 @pytest.mark.parametrize("family", ["qwen3_moe"])
-def test_a_prompt_repeated_in_one_prefill_runs_once_and_matches_transformers(family):
+def test_a_prompt_repeated_in_one_prefill_runs_once_and_matches_transformers(family, cpu_step):
     lm = build_model(model_config(family), seed=3, device="cpu", dtype="float32")
     ref = reference(lm)
-    sched = make_scheduler(lm)
+    sched = make_scheduler(lm, cpu_step=cpu_step)
     try:
         assert sched.prefill_mode == "lean", sched.prefill_reason
         sched.call(lambda: sched.pause("in_place")).result(30)  # queue them all: one prefill takes them
@@ -134,11 +157,12 @@ def test_a_prompt_repeated_in_one_prefill_runs_once_and_matches_transformers(fam
         sched.stop()
 
 
+@pytest.mark.parametrize("cpu_step", [NATIVE, "torch"])
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
-def test_pause_mid_generation_keeps_greedy_output(mode):
+def test_pause_mid_generation_keeps_greedy_output(mode, cpu_step):
     lm = build_model(model_config("qwen3"), seed=2, device="cpu", dtype="float32")
     ref = reference(lm)
-    sched = make_scheduler(lm)
+    sched = make_scheduler(lm, paced=True, cpu_step=cpu_step)
     try:
         collect = Collector(2)
         reqs = []
@@ -174,7 +198,7 @@ def test_pause_mid_generation_keeps_greedy_output(mode):
 
 def test_pause_abort_and_abort_request_finish_with_partial_output():
     lm = build_model(model_config("qwen3"), seed=3, device="cpu", dtype="float32")
-    sched = make_scheduler(lm)
+    sched = make_scheduler(lm, paced=True)
     try:
         collect = Collector(3)
         reqs = []
@@ -209,14 +233,15 @@ def test_pause_abort_and_abort_request_finish_with_partial_output():
         sched.stop()
 
 
-def test_stop_tokens_eos_and_context_length_end_generation():
+@pytest.mark.parametrize("cpu_step", [NATIVE, "torch"])
+def test_stop_tokens_eos_and_context_length_end_generation(cpu_step):
     lm = build_model(model_config("qwen3"), seed=4, device="cpu", dtype="float32")
     ref = reference(lm)
     greedy = ref.generate(
         torch.tensor([PROMPTS[0]]), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0
     )
     stop_at = greedy[0, len(PROMPTS[0]) + 3].item()
-    sched = make_scheduler(lm, max_seq_len=12, eos_token_ids=[stop_at])
+    sched = make_scheduler(lm, max_seq_len=12, eos_token_ids=[stop_at], cpu_step=cpu_step)
     try:
         collect = Collector(3)
         cases = [
@@ -245,9 +270,10 @@ def test_stop_tokens_eos_and_context_length_end_generation():
         sched.stop()
 
 
-def test_seeded_sampling_is_reproducible_and_respects_top_k():
+@pytest.mark.parametrize("cpu_step", [NATIVE, "torch"])
+def test_seeded_sampling_is_reproducible_and_respects_top_k(cpu_step):
     lm = build_model(model_config("qwen3"), seed=5, device="cpu", dtype="float32")
-    sched = make_scheduler(lm)
+    sched = make_scheduler(lm, cpu_step=cpu_step)
     try:
         collect = Collector(3)
         params = dict(max_new_tokens=20, temperature=1.0, top_k=3, sampling_seed=1234)

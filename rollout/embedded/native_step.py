@@ -1,0 +1,602 @@
+"""The whole lean decode (or prefill) step of Qwen3 / Qwen3-MoE on CPU as one call into C (fp32).
+
+With every op of a step a separate PyTorch call, a batch-64 decode step of the default job's model spent a
+quarter of its time in ~60 small ops (norms, rotary, residuals, routing) and a third in GEMMs run by MKL,
+which uses its AVX2 code on AMD CPUs (about half of an AVX-512 core's rate on Zen 5). This kernel runs a
+step's every layer in one call: its GEMMs are register-tiled AVX-512 (or AVX2) loops over the weights in
+their own layout, the small ops are loops over those tiles, and the attention is ``native_attention.py``'s.
+
+Layout: activations are feature-major (``[features, columns]``, one column per row, columns padded with
+zeros to the vector width), so every projection is ``W[N, K] @ X[K, columns]`` with the weights read where
+the model keeps them (the fused Q/K/V and gate/up matrices, the experts' ``[E, 2I, H]`` / ``[E, H, I]``
+tensors, the norms, the rotary tables) and the rows of one step side by side in a vector register. Nothing
+is packed or copied, so weight updates by name are seen at the next step, as by the PyTorch path; the
+pointers are read from the tensors at every call (a woken engine's storage may have moved).
+
+Arithmetic follows transformers' (RMSNorm in fp32 with the weight applied after, q/k norm per head, rotary
+``q*cos + rotate_half(q)*sin`` from the model's own tables, router softmax in fp32, top-k renormalised,
+experts summed per row in expert order, the residual added after each block); sums run in another order
+than MKL's, so results agree with PyTorch's to fp32 rounding, not bit for bit. Single-threaded: ``auto``
+picks it when the engine runs one intra-op thread (``lean.py``'s ``cpu_step``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+import torch
+
+from tidal.rollout.embedded import native_attention, native_build
+
+SOURCE = (
+    native_attention.SOURCE
+    + r"""
+#include <string.h>
+
+/* ---- the whole decode (or prefill) step of a Qwen3 / Qwen3-MoE model, fp32, one call ----
+
+Activations are kept feature-major ([features, columns], a column per row, columns padded to a multiple
+of the vector width with zeros), so every projection is C[N, cols] = W[N, K] @ X[K, cols] with the
+weights read in their own row-major layout (no packed copy that a weight update could leave stale) and
+the rows' values side by side in one vector register. */
+
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vfu __attribute__((vector_size(VW * 4), aligned(4), may_alias));
+#define VLD(p) (*(const vfu *)(p))
+#define VST(p, v) (*(vfu *)(p) = (v))
+#define ROUND_UP(n, k) (((n) + (k) - 1) / (k) * (k))
+
+/* one register tile: C[R rows, T vectors] (+)= A[R, :K] @ B[:K, T vectors]; the product is summed from zero
+   and added to C once at the end (h + W x, as the model's residual adds) */
+#define DEF_TILE(NAME, R, T)                                                                          \
+  static void NAME(const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc,   \
+                   int K, int accumulate) {                                                           \
+    vf acc[R][T];                                                                                     \
+    _Pragma("GCC unroll 16") for (int i = 0; i < R; i++)                                               \
+      _Pragma("GCC unroll 4") for (int t = 0; t < T; t++) acc[i][t] = (vf){};                          \
+    for (int k = 0; k < K; k++) {                                                                     \
+      vf b[T];                                                                                        \
+      _Pragma("GCC unroll 4") for (int t = 0; t < T; t++) b[t] = VLD(B + (int64_t)k * ldb + t * VW);   \
+      _Pragma("GCC unroll 16") for (int i = 0; i < R; i++) {                                           \
+        const vf a = (vf){} + A[(int64_t)i * lda + k];                                                \
+        _Pragma("GCC unroll 4") for (int t = 0; t < T; t++) acc[i][t] += a * b[t];                     \
+      }                                                                                               \
+    }                                                                                                 \
+    _Pragma("GCC unroll 16") for (int i = 0; i < R; i++)                                               \
+      _Pragma("GCC unroll 4") for (int t = 0; t < T; t++) {                                            \
+        float *c = C + (int64_t)i * ldc + t * VW;                                                     \
+        vf r = acc[i][t];                                                                             \
+        if (accumulate) r = VLD(c) + r;                                                               \
+        VST(c, r);                                                                                    \
+      }                                                                                               \
+  }
+
+/* tile heights that fill the vector registers: R*T accumulators + T loads + 1 broadcast */
+#if VW == 16
+#define RT4 6
+#define RT2 12
+#define RT1 14
+DEF_TILE(tile_r4, RT4, 4)
+DEF_TILE(tile_14, 1, 4)
+#else
+#define RT2 6
+#define RT1 12
+#endif
+DEF_TILE(tile_r2, RT2, 2)
+DEF_TILE(tile_12, 1, 2)
+DEF_TILE(tile_r1, RT1, 1)
+DEF_TILE(tile_11, 1, 1)
+
+/* C[N, cols] (+)= A[N, K] @ B[K, cols]; cols a multiple of VW; ld*: row strides in floats. Rows of A are
+   taken in chunks of about 128 KiB so that a chunk stays in L2 while every column block passes over it. */
+static void gemm(const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc, int N,
+                 int cols, int K, int accumulate) {
+  int chunk = (int)(32768 / (K > 0 ? K : 1));
+  chunk = chunk < 16 ? 16 : chunk;
+  for (int n0 = 0; n0 < N; n0 += chunk) {
+    const int n1 = n0 + chunk < N ? n0 + chunk : N;
+    int m = 0;
+#define COLUMN_BLOCK(TN, TR, T)                                                                        \
+    for (int n = n0; n < n1;) {                                                                        \
+      const float *a = A + (int64_t)n * lda;                                                           \
+      float *c = C + (int64_t)n * ldc + m;                                                             \
+      if (n + TR <= n1) { TN##r##T(a, lda, B + m, ldb, c, ldc, K, accumulate); n += TR; }              \
+      else { TN##1##T(a, lda, B + m, ldb, c, ldc, K, accumulate); n += 1; }                            \
+    }
+#if VW == 16
+    for (; m + 4 * VW <= cols; m += 4 * VW) { COLUMN_BLOCK(tile_, RT4, 4) }
+#endif
+    for (; m + 2 * VW <= cols; m += 2 * VW) { COLUMN_BLOCK(tile_, RT2, 2) }
+    for (; m + VW <= cols; m += VW) { COLUMN_BLOCK(tile_, RT1, 1) }
+#undef COLUMN_BLOCK
+  }
+}
+
+typedef struct {
+  const float *input_norm, *post_norm, *qkv, *q_norm, *k_norm, *o_proj;
+  const float *gate_up, *down;                          /* dense MLP [2I, H], [H, I]; NULL in a MoE layer */
+  const float *router, *experts_gate_up, *experts_down; /* MoE [E, H], [E, 2I, H], [E, H, I]; else NULL */
+  float *keys, *values;                                 /* the KV pool's [slots, kv_heads, max_seq_len, D] */
+  int64_t intermediate;                                 /* I of this layer's MLP or of each expert */
+} Layer;
+
+typedef struct {
+  int64_t layers, hidden, heads, kv_heads, head_dim, experts, top_k, norm_topk, vocab, max_seq_len;
+  float eps, scaling;
+  const float *embed, *final_norm, *lm_head, *cos, *sin_signed; /* rotary tables [max_seq_len, D] */
+  const Layer *layer;
+} Model;
+
+/* Where each buffer of one step lives in the caller's scratch memory (floats; 64-byte aligned pieces). */
+typedef struct {
+  float *h, *x, *qkv, *cos, *sin, *q, *attn, *inv, *attn_scratch;
+  float *mlp, *act, *router, *moe, *gathered, *expert_out, *head_in, *logits_t;
+  int32_t *pair_row, *chosen;
+  float *pair_weight, *chosen_weight;
+  int64_t cols, pair_cols, out_cols, total;
+} Plan;
+
+#define VOCAB_CHUNK 1024
+
+static int64_t max_intermediate(const Model *m) {
+  int64_t i = 0;
+  for (int l = 0; l < m->layers; l++) i = m->layer[l].intermediate > i ? m->layer[l].intermediate : i;
+  return i;
+}
+
+static Plan plan(const Model *m, int rows, int out_rows, float *base) {
+  Plan p;
+  const int64_t H = m->hidden, D = m->head_dim, I = max_intermediate(m);
+  const int64_t qkv = (m->heads + 2 * m->kv_heads) * D, qw = m->heads * D;
+  p.cols = ROUND_UP(rows, VW);
+  p.out_cols = ROUND_UP(out_rows, VW);
+  /* each expert's pairs start at a vector boundary */
+  p.pair_cols = m->experts ? ROUND_UP((int64_t)rows * m->top_k + m->experts * (VW - 1), VW) : 0;
+  const int64_t mlp_cols = p.pair_cols > p.cols ? p.pair_cols : p.cols;
+  int64_t at = 0;
+#define TAKE(field, type, n)                                   \
+  p.field = (type *)(base ? base + at : NULL);                 \
+  at += ROUND_UP((int64_t)(n), 16);
+  TAKE(h, float, H * p.cols)
+  TAKE(x, float, H * p.cols)
+  TAKE(qkv, float, qkv * p.cols)
+  TAKE(cos, float, D * p.cols)
+  TAKE(sin, float, D * p.cols)
+  TAKE(q, float, (int64_t)rows * qw)
+  TAKE(attn, float, qw * p.cols)
+  TAKE(inv, float, p.cols)
+  TAKE(attn_scratch, float, m->max_seq_len + 16)
+  TAKE(mlp, float, 2 * I * mlp_cols)
+  TAKE(act, float, I * mlp_cols)
+  TAKE(router, float, m->experts * p.cols)
+  TAKE(moe, float, m->experts ? H * p.cols : 0)
+  TAKE(gathered, float, H * p.pair_cols)
+  TAKE(expert_out, float, H * p.pair_cols)
+  TAKE(head_in, float, H * p.out_cols)
+  TAKE(logits_t, float, VOCAB_CHUNK * p.out_cols)
+  TAKE(pair_row, int32_t, p.pair_cols)
+  TAKE(pair_weight, float, p.pair_cols)
+  TAKE(chosen, int32_t, (int64_t)rows * m->top_k)
+  TAKE(chosen_weight, float, (int64_t)rows * m->top_k)
+#undef TAKE
+  p.total = at;
+  return p;
+}
+
+/* out[f, c] = x[f, c] / sqrt(mean_f x[f, c]^2 + eps) * w[f], column by column, VW columns at a time */
+static void rms_norm_columns(const float *x, const float *w, float *out, int64_t F, int64_t cols, float eps,
+                             float *inv) {
+  for (int64_t c = 0; c < cols; c += VW) {
+    vf ss = (vf){};
+    for (int64_t f = 0; f < F; f++) {
+      const vf v = VLD(x + f * cols + c);
+      ss += v * v;
+    }
+    for (int j = 0; j < VW; j++) inv[c + j] = 1.f / sqrtf(ss[j] / (float)F + eps);
+  }
+  for (int64_t f = 0; f < F; f++) {
+    const vf wf = (vf){} + w[f];
+    for (int64_t c = 0; c < cols; c += VW) VST(out + f * cols + c, VLD(x + f * cols + c) * VLD(inv + c) * wf);
+  }
+}
+
+static inline float silu(float v) { return v / (1.f + expf(-v)); }
+
+/* act[i, c] = silu(gate[i, c]) * up[i, c] with gate = mlp[:I], up = mlp[I:2I] */
+static void swiglu(const float *mlp, float *act, int64_t I, int64_t ld, int64_t c0, int64_t c1) {
+  for (int64_t i = 0; i < I; i++) {
+    const float *g = mlp + i * ld, *u = mlp + (I + i) * ld;
+    float *a = act + i * ld;
+    for (int64_t c = c0; c < c1; c++) a[c] = silu(g[c]) * u[c];
+  }
+}
+
+/* Q and K heads: RMSNorm over each head (scaled by q_norm / k_norm), rotated by the rows' positions'
+   tables; queries to p->q ([rows, heads * D]), keys and values into each row's slot at its position. */
+static void qk_norm_rotary_store(const Model *m, const Layer *L, const Plan *p, int rows,
+                                 const int64_t *positions, const int64_t *slots) {
+  const int64_t D = m->head_dim, half = D / 2, cols = p->cols, S = m->max_seq_len;
+  vf block[256];
+  float lanes[256 * VW] __attribute__((aligned(64)));
+  for (int64_t head = 0; head < m->heads + 2 * m->kv_heads; head++) {
+    const int is_q = head < m->heads, is_v = head >= m->heads + m->kv_heads;
+    const float *src = p->qkv + head * D * cols;
+    const float *w = is_q ? L->q_norm : L->k_norm;
+    for (int64_t c = 0; c < cols && c < rows; c += VW) {
+      if (is_v) {
+        for (int64_t d = 0; d < D; d++) block[d] = VLD(src + d * cols + c);
+      } else {
+        vf ss = (vf){}, n[256];
+        for (int64_t d = 0; d < D; d++) {
+          n[d] = VLD(src + d * cols + c);
+          ss += n[d] * n[d];
+        }
+        vf inv;
+        for (int j = 0; j < VW; j++) inv[j] = 1.f / sqrtf(ss[j] / (float)D + m->eps);
+        for (int64_t d = 0; d < D; d++) n[d] = n[d] * inv * ((vf){} + w[d]);
+        for (int64_t d = 0; d < D; d++)
+          block[d] = n[d] * VLD(p->cos + d * cols + c) + n[(d + half) % D] * VLD(p->sin + d * cols + c);
+      }
+      for (int64_t d = 0; d < D; d++) VST(lanes + d * VW, block[d]);
+      const int n_rows = rows - c < VW ? (int)(rows - c) : VW;
+      for (int j = 0; j < n_rows; j++) {
+        const int64_t r = c + j;
+        float *dst;
+        if (is_q) {
+          dst = p->q + r * m->heads * D + head * D;
+        } else {
+          const int64_t kvh = is_v ? head - m->heads - m->kv_heads : head - m->heads;
+          const int64_t slot = slots ? slots[r] : r;
+          float *buf = is_v ? L->values : L->keys;
+          dst = buf + ((slot * m->kv_heads + kvh) * S + positions[r]) * D;
+        }
+        for (int64_t d = 0; d < D; d++) dst[d] = lanes[d * VW + j];
+      }
+    }
+  }
+}
+
+static void attention(const Model *m, const Layer *L, const Plan *p, int rows, const int64_t *positions,
+                      const int64_t *slots) {
+  const int64_t D = m->head_dim, G = m->heads / m->kv_heads, S = m->max_seq_len, cols = p->cols;
+  float o[8 * 256] __attribute__((aligned(64)));
+  for (int64_t r = 0; r < rows; r++) {
+    const int64_t slot = slots ? slots[r] : r;
+    const int len = (int)positions[r] + 1;
+    for (int64_t h = 0; h < m->kv_heads; h++) {
+      const int64_t cache = (slot * m->kv_heads + h) * S * D;
+      const float *qr = p->q + r * m->heads * D + h * G * D;
+      for (int64_t g0 = 0; g0 < G; g0 += 8) {
+        const int gn = G - g0 < 8 ? (int)(G - g0) : 8;
+        switch (D) {
+          case 16: head(qr + g0 * D, L->keys + cache, L->values + cache, len, gn, 16, m->scaling, p->attn_scratch, o); break;
+          case 32: head(qr + g0 * D, L->keys + cache, L->values + cache, len, gn, 32, m->scaling, p->attn_scratch, o); break;
+          case 64: head(qr + g0 * D, L->keys + cache, L->values + cache, len, gn, 64, m->scaling, p->attn_scratch, o); break;
+          case 128: head(qr + g0 * D, L->keys + cache, L->values + cache, len, gn, 128, m->scaling, p->attn_scratch, o); break;
+          case 256: head(qr + g0 * D, L->keys + cache, L->values + cache, len, gn, 256, m->scaling, p->attn_scratch, o); break;
+        }
+        for (int g = 0; g < gn; g++)
+          for (int64_t d = 0; d < D; d++) p->attn[((h * G + g0 + g) * D + d) * cols + r] = o[g * D + d];
+      }
+    }
+  }
+}
+
+/* router softmax (fp32), top-k (ties: the lower expert first), renormalised when asked, as transformers */
+static void route(const Model *m, const Plan *p, int rows) {
+  const int64_t E = m->experts, K = m->top_k;
+  float prob[1024];
+  for (int64_t r = 0; r < rows; r++) {
+    float mx = -FLT_MAX, sum = 0.f;
+    for (int64_t e = 0; e < E; e++) mx = p->router[e * p->cols + r] > mx ? p->router[e * p->cols + r] : mx;
+    for (int64_t e = 0; e < E; e++) {
+      prob[e] = expf(p->router[e * p->cols + r] - mx);
+      sum += prob[e];
+    }
+    for (int64_t e = 0; e < E; e++) prob[e] = prob[e] / sum;
+    float picked = 0.f;
+    for (int64_t k = 0; k < K; k++) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; e++)
+        if (prob[e] >= 0.f && (best < 0 || prob[e] > prob[best])) best = e;
+      p->chosen[r * K + k] = (int32_t)best;
+      p->chosen_weight[r * K + k] = prob[best];
+      picked += prob[best];
+      prob[best] = -1.f;
+    }
+    if (m->norm_topk)
+      for (int64_t k = 0; k < K; k++) p->chosen_weight[r * K + k] = p->chosen_weight[r * K + k] / picked;
+  }
+}
+
+/* the sparse MoE block of transformers' Qwen3-MoE: each expert's rows gathered into one column block, its
+   two projections as GEMMs, then the weighted outputs summed per row expert by expert into p->moe */
+static void moe(const Model *m, const Layer *L, const Plan *p, int rows) {
+  const int64_t E = m->experts, K = m->top_k, H = m->hidden, I = L->intermediate, cols = p->cols;
+  const int64_t PC = p->pair_cols;
+  gemm(L->router, H, p->x, cols, p->router, cols, (int)E, (int)cols, (int)H, 0);
+  route(m, p, rows);
+  int64_t count[1024], start[1025], fill[1024];
+  for (int64_t e = 0; e < E; e++) count[e] = 0;
+  for (int64_t i = 0; i < rows * K; i++) count[p->chosen[i]]++;
+  start[0] = 0;
+  for (int64_t e = 0; e < E; e++) start[e + 1] = start[e] + ROUND_UP(count[e], VW);
+  for (int64_t e = 0; e < E; e++) fill[e] = start[e];
+  for (int64_t c = 0; c < start[E]; c++) p->pair_row[c] = -1;
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t k = 0; k < K; k++) {
+      const int32_t e = p->chosen[r * K + k];
+      p->pair_row[fill[e]] = (int32_t)r;
+      p->pair_weight[fill[e]++] = p->chosen_weight[r * K + k];
+    }
+  for (int64_t f = 0; f < H; f++) {
+    const float *src = p->x + f * cols;
+    float *dst = p->gathered + f * PC;
+    for (int64_t c = 0; c < start[E]; c++) dst[c] = p->pair_row[c] >= 0 ? src[p->pair_row[c]] : 0.f;
+  }
+  for (int64_t e = 0; e < E; e++) {
+    if (!count[e]) continue;
+    const int64_t c0 = start[e], n = start[e + 1] - c0;
+    gemm(L->experts_gate_up + e * 2 * I * H, H, p->gathered + c0, PC, p->mlp + c0, PC, (int)(2 * I), (int)n, (int)H, 0);
+    swiglu(p->mlp, p->act, I, PC, c0, c0 + n);
+    gemm(L->experts_down + e * H * I, I, p->act + c0, PC, p->expert_out + c0, PC, (int)H, (int)n, (int)I, 0);
+  }
+  memset(p->moe, 0, sizeof(float) * H * cols);
+  for (int64_t e = 0; e < E; e++)
+    for (int64_t c = start[e]; c < start[e] + count[e]; c++) {
+      const int64_t r = p->pair_row[c];
+      const float w = p->pair_weight[c];
+      for (int64_t f = 0; f < H; f++) p->moe[f * cols + r] += p->expert_out[f * PC + c] * w;
+    }
+  for (int64_t i = 0; i < H * cols; i += VW) VST(p->h + i, VLD(p->h + i) + VLD(p->moe + i));
+}
+
+/* Floats of scratch memory a step of `rows` rows (logits for `out_rows` of them) needs. */
+int64_t tidal_step_scratch_floats(const Model *m, int rows, int out_rows) { return plan(m, rows, out_rows, NULL).total; }
+
+/* One forward step: rows r = 0..rows-1 hold token ids[r] at positions[r] of KV slot slots[r] (slots NULL:
+   slot r). Every row's key and value are written first, then each row attends its slot's keys
+   0..positions[r] (a prefill passes a prompt's tokens as rows of one slot). Logits of rows out[i]
+   (out NULL: every row) go to logits[i, :vocab]. Returns 0, or -1 for a shape it does not handle. */
+int tidal_forward_step(const Model *m, int rows, const int64_t *ids, const int64_t *positions,
+                       const int64_t *slots, int out_rows, const int64_t *out, float *logits,
+                       float *scratch, int64_t scratch_floats) {
+  const int64_t D = m->head_dim, H = m->hidden;
+  if (D != 16 && D != 32 && D != 64 && D != 128 && D != 256) return -1;
+  if (m->experts > 1024 || m->heads % m->kv_heads) return -1;
+  Plan p = plan(m, rows, out_rows, scratch);
+  if (p.total > scratch_floats) return -2;
+  const int64_t cols = p.cols;
+  /* embeddings and the rows' rotary tables, transposed into columns; padding columns are zeros */
+  memset(p.h, 0, sizeof(float) * H * cols);
+  memset(p.cos, 0, sizeof(float) * D * cols);
+  memset(p.sin, 0, sizeof(float) * D * cols);
+  for (int64_t r = 0; r < rows; r++) {
+    const float *e = m->embed + ids[r] * H;
+    for (int64_t f = 0; f < H; f++) p.h[f * cols + r] = e[f];
+    const float *cs = m->cos + positions[r] * D, *sn = m->sin_signed + positions[r] * D;
+    for (int64_t d = 0; d < D; d++) {
+      p.cos[d * cols + r] = cs[d];
+      p.sin[d * cols + r] = sn[d];
+    }
+  }
+  const int64_t qkv = (m->heads + 2 * m->kv_heads) * D, qw = m->heads * D;
+  for (int64_t l = 0; l < m->layers; l++) {
+    const Layer *L = &m->layer[l];
+    rms_norm_columns(p.h, L->input_norm, p.x, H, cols, m->eps, p.inv);
+    gemm(L->qkv, H, p.x, cols, p.qkv, cols, (int)qkv, (int)cols, (int)H, 0);
+    qk_norm_rotary_store(m, L, &p, rows, positions, slots);
+    memset(p.attn, 0, sizeof(float) * qw * cols);
+    attention(m, L, &p, rows, positions, slots);
+    gemm(L->o_proj, qw, p.attn, cols, p.h, cols, (int)H, (int)cols, (int)qw, 1);
+    rms_norm_columns(p.h, L->post_norm, p.x, H, cols, m->eps, p.inv);
+    if (L->router) {
+      moe(m, L, &p, rows);
+    } else {
+      const int64_t I = L->intermediate;
+      gemm(L->gate_up, H, p.x, cols, p.mlp, cols, (int)(2 * I), (int)cols, (int)H, 0);
+      swiglu(p.mlp, p.act, I, cols, 0, cols);
+      gemm(L->down, I, p.act, cols, p.h, cols, (int)H, (int)cols, (int)I, 1);
+    }
+  }
+  /* the final norm and the LM head, for the rows asked */
+  const int64_t oc = p.out_cols;
+  memset(p.head_in, 0, sizeof(float) * H * oc);
+  for (int64_t f = 0; f < H; f++)
+    for (int64_t i = 0; i < out_rows; i++) p.head_in[f * oc + i] = p.h[f * cols + (out ? out[i] : i)];
+  rms_norm_columns(p.head_in, m->final_norm, p.head_in, H, oc, m->eps, p.inv);
+  for (int64_t v0 = 0; v0 < m->vocab; v0 += VOCAB_CHUNK) {
+    const int64_t n = m->vocab - v0 < VOCAB_CHUNK ? m->vocab - v0 : VOCAB_CHUNK;
+    gemm(m->lm_head + v0 * H, H, p.head_in, oc, p.logits_t, oc, (int)n, (int)oc, (int)H, 0);
+    for (int64_t i = 0; i < out_rows; i++)
+      for (int64_t v = 0; v < n; v++) logits[i * m->vocab + v0 + v] = p.logits_t[v * oc + i];
+  }
+  return 0;
+}
+"""
+)
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        *[
+            (name, ctypes.c_void_p)
+            for name in (
+                "input_norm",
+                "post_norm",
+                "qkv",
+                "q_norm",
+                "k_norm",
+                "o_proj",
+                "gate_up",
+                "down",
+                "router",
+                "experts_gate_up",
+                "experts_down",
+                "keys",
+                "values",
+            )
+        ],
+        ("intermediate", ctypes.c_int64),
+    ]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        *[
+            (name, ctypes.c_int64)
+            for name in (
+                "layers",
+                "hidden",
+                "heads",
+                "kv_heads",
+                "head_dim",
+                "experts",
+                "top_k",
+                "norm_topk",
+                "vocab",
+                "max_seq_len",
+            )
+        ],
+        ("eps", ctypes.c_float),
+        ("scaling", ctypes.c_float),
+        *[(name, ctypes.c_void_p) for name in ("embed", "final_norm", "lm_head", "cos", "sin_signed")],
+        ("layer", ctypes.POINTER(_Layer)),
+    ]
+
+
+@cache
+def load(isa: str | None = None) -> tuple[ctypes.CDLL | None, str]:
+    """The compiled step library for ``isa`` (None: the best this machine runs), or None and why not."""
+    lib, how = native_build.load(SOURCE, isa)
+    if lib is None:
+        return None, how
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.tidal_forward_step.argtypes = [ptr, i32, ptr, ptr, ptr, i32, ptr, ptr, ptr, i64]
+    lib.tidal_forward_step.restype = ctypes.c_int
+    lib.tidal_step_scratch_floats.argtypes = [ptr, i32, i32]
+    lib.tidal_step_scratch_floats.restype = ctypes.c_int64
+    return lib, how
+
+
+def unsupported_reason(decoder) -> str | None:
+    """Why the native step cannot run ``decoder`` (a ``LeanDecoder``), None when it can."""
+    if decoder.device.type != "cpu":
+        return f"the native step is for CPU; this decoder runs on {decoder.device}"
+    if decoder.dtype != torch.float32:
+        return f"the native step is fp32; the model is {decoder.dtype}"
+    if decoder.head_dim not in native_attention.SUPPORTED_HEAD_DIMS:
+        return f"head_dim {decoder.head_dim} (the native step covers {native_attention.SUPPORTED_HEAD_DIMS})"
+    act = getattr(decoder.lm.config, "hidden_act", None)
+    if act != "silu":
+        return f"hidden_act {act!r} (the native step runs SiLU)"
+    if getattr(decoder.lm.config, "num_experts", 0) and decoder.lm.config.num_experts > 1024:
+        return f"{decoder.lm.config.num_experts} experts (the native step routes up to 1024)"
+    tensors = [decoder.embed, decoder.final_norm, decoder.lm_head]
+    for layer in decoder.layers:
+        tensors += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+    if any(not t.is_contiguous() for t in tensors):
+        return "a weight that is not contiguous"
+    return None
+
+
+class NativeStep:
+    """``logits = step(ids, positions, slots=None, out_rows=None)`` over the decoder's tensors and KV pool.
+
+    Row ``r`` is token ``ids[r]`` at ``positions[r]`` of KV slot ``slots[r]`` (None: slot ``r``, a decode
+    step over the compacted running batch); every row's key and value are written before any row attends
+    (a prefill passes a prompt's tokens as rows of one slot: causal by position). Logits of the rows
+    ``out_rows`` (None: all), ``[len(out_rows), vocab]`` float32.
+    """
+
+    def __init__(self, decoder, lib: ctypes.CDLL):
+        self.d = decoder
+        self.lib = lib
+        self._layers = (_Layer * len(decoder.layers))()
+        self.model = _Model(
+            layers=len(decoder.layers),
+            hidden=decoder.embed.shape[1],
+            heads=decoder.heads,
+            kv_heads=decoder.kv_heads,
+            head_dim=decoder.head_dim,
+            experts=next((x.experts_gate_up.shape[0] for x in decoder.layers if x.router is not None), 0),
+            top_k=decoder.top_k,
+            norm_topk=int(bool(decoder.norm_topk_prob)),
+            vocab=decoder.lm_head.shape[0],
+            max_seq_len=decoder.pool.max_seq_len,
+            eps=decoder.eps,
+            scaling=decoder.scaling,
+            layer=self._layers,
+        )
+        self.scratch = torch.zeros(0, dtype=torch.float32)
+
+    def _bind(self) -> None:
+        """Point the model description at the tensors as they are now (a woken storage may have moved)."""
+        d, m = self.d, self.model
+        m.embed, m.final_norm, m.lm_head = d.embed.data_ptr(), d.final_norm.data_ptr(), d.lm_head.data_ptr()
+        m.cos, m.sin_signed = d.cos.data_ptr(), d.sin_signed.data_ptr()
+        for index, (layer, out) in enumerate(zip(d.layers, self._layers, strict=True)):
+            out.input_norm = layer.input_norm.data_ptr()
+            out.post_norm = layer.post_norm.data_ptr()
+            out.qkv = layer.qkv.data_ptr()
+            out.q_norm = layer.q_norm.data_ptr()
+            out.k_norm = layer.k_norm.data_ptr()
+            out.o_proj = layer.o_proj.data_ptr()
+            out.keys = d.pool.keys[index].data_ptr()
+            out.values = d.pool.values[index].data_ptr()
+            if layer.router is None:
+                out.gate_up, out.down = layer.gate_up.data_ptr(), layer.down.data_ptr()
+                out.router = out.experts_gate_up = out.experts_down = None
+                out.intermediate = layer.down.shape[1]
+            else:
+                out.gate_up = out.down = None
+                out.router = layer.router.data_ptr()
+                out.experts_gate_up = layer.experts_gate_up.data_ptr()
+                out.experts_down = layer.experts_down.data_ptr()
+                out.intermediate = layer.experts_down.shape[2]
+
+    def __call__(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor | None = None,
+        out_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        rows = ids.shape[0]
+        n_out = rows if out_rows is None else out_rows.shape[0]
+        if rows == 0 or n_out == 0:
+            raise ValueError("native step: no rows")
+        ids, positions = _int64(ids), _int64(positions)
+        slots = None if slots is None else _int64(slots)
+        out_rows = None if out_rows is None else _int64(out_rows)
+        self._bind()
+        model = ctypes.byref(self.model)
+        need = self.lib.tidal_step_scratch_floats(model, rows, n_out)
+        if self.scratch.numel() < need:
+            self.scratch = torch.zeros(need, dtype=torch.float32)
+        logits = torch.empty(n_out, self.model.vocab, dtype=torch.float32)
+        status = self.lib.tidal_forward_step(
+            model,
+            rows,
+            ids.data_ptr(),
+            positions.data_ptr(),
+            None if slots is None else slots.data_ptr(),
+            n_out,
+            None if out_rows is None else out_rows.data_ptr(),
+            logits.data_ptr(),
+            self.scratch.data_ptr(),
+            self.scratch.numel(),
+        )
+        if status != 0:
+            raise RuntimeError(f"native step refused its arguments (status {status})")
+        return logits
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int64).contiguous()
