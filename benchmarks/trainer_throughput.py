@@ -13,7 +13,7 @@ model FLOPs utilisation: 6 * active parameters * tokens + causal attention, over
     python benchmarks/trainer_throughput.py --device cuda --size dense-1b --batch 2 --seq-len 4096 \
         --profile runs/bench/profile      # + the top-30 kernels of each implementation (text and JSON)
 
-``--attention``, ``--experts``, ``--logprobs``, ``--adam`` and ``--multi-tensor`` set ``trainer.kernels`` (docs/trainer.md, "Kernels") to
+``--attention``, ``--experts``, ``--logprobs``, ``--pointwise``, ``--adam`` and ``--multi-tensor`` set ``trainer.kernels`` (docs/trainer.md, "Kernels") to
 compare each fast path with its reference; ``--impls tidal`` skips the baseline.
 """
 
@@ -108,7 +108,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--attention", choices=ATTENTION_KERNELS, default="auto", help="trainer.kernels.attention")
     p.add_argument("--experts", choices=EXPERT_KERNELS, default="auto", help="trainer.kernels.experts")
     p.add_argument(
-        "--logprobs", choices=("auto", "fused", "reference"), default="auto", help="trainer.kernels.logprobs"
+        "--logprobs",
+        choices=("auto", "compiled", "fused", "reference"),
+        default="auto",
+        help="trainer.kernels.logprobs",
+    )
+    p.add_argument(
+        "--pointwise",
+        choices=("auto", "compiled", "eager"),
+        default="auto",
+        help="trainer.kernels.pointwise",
     )
     p.add_argument(
         "--adam", choices=("auto", "fused", "foreach"), default="auto", help="trainer.kernels.adam"
@@ -248,6 +257,7 @@ def kernel_config(args):
         logprobs=args.logprobs,
         adam=args.adam,
         multi_tensor=args.multi_tensor,
+        pointwise=args.pointwise,
     )
 
 
@@ -278,14 +288,19 @@ def profile_steps(label: str, run_step, args) -> dict:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sync(args.device)
     t0 = time.perf_counter()
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=cuda) as prof:
         for _ in range(args.profile_steps):
             run_step()
         sync(args.device)
     wall = (time.perf_counter() - t0) / args.profile_steps
     events = prof.key_averages()
     if cuda:
-        kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+        # GPU-side user annotations (Optimizer.step#...) span kernels already counted: leave them out
+        kernels = [
+            e
+            for e in events
+            if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+        ]
         own = [(e, e.self_device_time_total) for e in kernels]
     else:  # CPU: operators by self CPU time (nested operators would count twice in totals)
         own = [(e, e.self_cpu_time_total) for e in events]
@@ -332,8 +347,34 @@ def profile_steps(label: str, run_step, args) -> dict:
             f"{row['category']:<14} {row['name'][:160]}"
         )
     (args.profile / f"{slug}.txt").write_text("\n".join(lines) + "\n")
+    if cuda:
+        _write_operator_table(prof, args.profile / f"{slug}_ops.txt", per_step)
     print("\n".join(lines[:3]))
     return summary
+
+
+def _write_operator_table(prof, path: Path, per_step: int) -> None:
+    """The top-40 operators (with input shapes) by the device time of the kernels they launched.
+
+    Kernel names say what ran; this says which operator (and which tensor shapes) asked for it.
+    """
+    from torch.autograd import DeviceType
+
+    ops = [
+        e
+        for e in prof.key_averages(group_by_input_shape=True)
+        if e.device_type == DeviceType.CPU
+        and e.self_device_time_total > 0
+        and not getattr(e, "is_user_annotation", False)
+    ]
+    ops.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    lines = [f"{'ms/step':>9} {'calls':>7}  operator [input shapes]"]
+    for e in ops[:40]:
+        shapes = str(e.input_shapes)[:150]
+        lines.append(
+            f"{e.self_device_time_total / 1e3 / per_step:>9.2f} {e.count / per_step:>7.0f}  {e.key} {shapes}"
+        )
+    path.write_text("\n".join(lines) + "\n")
 
 
 def matmul_tflops(device: str) -> float | None:

@@ -90,11 +90,19 @@ class KernelConfig(BaseModel):
         "SequentialMLP; auto = grouped_mm where it can run, loop elsewhere. Parameter names and layouts "
         "are those of SequentialMLP in every case",
     )
-    logprobs: Literal["auto", "fused", "reference"] = Field(
+    logprobs: Literal["auto", "compiled", "fused", "reference"] = Field(
         "auto",
         description="per-token logprobs/entropy from (vocab-parallel) logits: fused = row chunks in fp32, "
-        "gradient recomputed from the saved logits (no full fp32 copy of the logits); reference = the plain "
-        "fp32 formula; auto = fused",
+        "gradient recomputed from the saved logits (no full fp32 copy of the logits); compiled = the same "
+        "chunks, each chunk's statistics and gradient one kernel through torch.compile (the fp32 values never "
+        "reach memory); reference = the plain fp32 formula; auto = compiled on CUDA for chunks of at least "
+        "4M logits, fused elsewhere",
+    )
+    pointwise: Literal["auto", "compiled", "eager"] = Field(
+        "auto",
+        description="the layer's elementwise chains (SwiGLU, rotary embedding): compiled = one kernel each "
+        "through torch.compile; eager = megatron-core's separate operations; auto = compiled on CUDA for "
+        "tensors of at least 4M elements, eager elsewhere",
     )
     gated_delta_rule: Literal["auto", "fla", "torch"] = Field(
         "auto",

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
 
+from tidal.trainer import pointwise
+
 EXPERT_KERNELS = ("auto", "grouped_mm", "loop", "sequential")
 
 
@@ -152,7 +154,7 @@ class GroupedExperts(SequentialMLP):
         if self.config.gated_linear_unit:
             gate, up = torch.chunk(h, 2, dim=-1)
             if self.config.activation_func is F.silu:
-                return F.silu(gate) * up
+                return pointwise.swiglu_parts(gate, up)
             return self.config.activation_func(gate) * up
         return self.config.activation_func(h)
 

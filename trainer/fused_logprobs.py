@@ -82,11 +82,45 @@ class _ChunkedLogSoftmax(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+def _shard_stats(logits: torch.Tensor, scale: float, with_entropy: bool):
+    """Per row of ``logits``: ``m = max z``, ``s = sum e^(z-m)``, ``w = sum e^(z-m) (z-m)`` (``z`` = scaled
+    fp32 logits). Under torch.compile one kernel that reads the logits in their own dtype."""
+    z = logits.float() * scale
+    m = z.amax(dim=-1, keepdim=True)
+    shifted = z - m
+    e = shifted.exp()
+    w = (e * shifted).sum(dim=-1) if with_entropy else None
+    return m.squeeze(-1), e.sum(dim=-1), w
+
+
+def _shard_grad(logits, local, log_z, coeff, hit, entropy, grad_entropy, scale: float, use_entropy: bool):
+    """The logits' gradient of one row chunk, in their dtype (see the module docstring for the formula);
+    the same operations in the same order as the eager backward, one kernel under torch.compile."""
+    logp = logits.float() * scale - log_z[:, None]
+    p = logp.exp()
+    if use_entropy:
+        g = -(p * ((logp + entropy[:, None]) * grad_entropy[:, None] + coeff[:, None]))
+    else:
+        g = -(p * coeff[:, None])
+    columns = torch.arange(logits.shape[-1], device=logits.device)
+    g = g + torch.where(columns[None, :] == local[:, None], hit[:, None], 0.0)
+    return (g * scale).to(logits.dtype)
+
+
+def _compiled_chunk_fns():
+    from tidal.trainer.pointwise import compiled
+
+    return compiled(_shard_stats), compiled(_shard_grad)
+
+
 class _ChunkedVocabLogprobs(torch.autograd.Function):
-    """A vocabulary sharded over a tensor-parallel group: per-shard statistics combined over the group."""
+    """A vocabulary sharded over a tensor-parallel group: per-shard statistics combined over the group.
+
+    With ``compiled`` each chunk's statistics and gradient are one torch.compile'd kernel each (also used
+    for the whole vocabulary on one rank: the group is then None)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, with_entropy, scale, chunk, group, vocab_start):
+    def forward(ctx, logits, labels, with_entropy, scale, chunk, group, vocab_start, compiled=False):
         tokens, shard = logits.shape
         local = labels.long() - vocab_start
         in_shard = (local >= 0) & (local < shard)
@@ -94,8 +128,14 @@ class _ChunkedVocabLogprobs(torch.autograd.Function):
         maxes = torch.empty(tokens, dtype=torch.float32, device=logits.device)
         sums = torch.empty_like(maxes)
         weighted = torch.empty_like(maxes) if with_entropy else None  # sum e^(z-m) (z-m)
+        stats = _compiled_chunk_fns()[0] if compiled else None
         for start in range(0, tokens, chunk):
             rows = slice(start, min(start + chunk, tokens))
+            if stats is not None:
+                maxes[rows], sums[rows], w = stats(logits[rows], scale, with_entropy)
+                if with_entropy:
+                    weighted[rows] = w
+                continue
             z = logits[rows].to(torch.float32, copy=True)  # never a view: changed in place
             if scale != 1.0:
                 z.mul_(scale)
@@ -122,7 +162,7 @@ class _ChunkedVocabLogprobs(torch.autograd.Function):
         logprobs = picked - log_z
         entropy = sums.log() - weighted / sums if with_entropy else None
         ctx.save_for_backward(logits, local, in_shard, log_z, entropy if with_entropy else log_z)
-        ctx.with_entropy, ctx.scale, ctx.chunk = with_entropy, scale, chunk
+        ctx.with_entropy, ctx.scale, ctx.chunk, ctx.compiled = with_entropy, scale, chunk, compiled
         if with_entropy:
             return logprobs, entropy
         return logprobs, torch.zeros(0, device=logits.device)
@@ -134,8 +174,22 @@ class _ChunkedVocabLogprobs(torch.autograd.Function):
         use_entropy = ctx.with_entropy and grad_entropy is not None
         grad_lp = grad_logprobs if grad_logprobs is not None else torch.zeros_like(log_z)
         grad = torch.empty_like(logits)
+        chunk_grad = _compiled_chunk_fns()[1] if ctx.compiled else None
         for start in range(0, tokens, ctx.chunk):
             rows = slice(start, min(start + ctx.chunk, tokens))
+            if chunk_grad is not None:
+                grad[rows] = chunk_grad(
+                    logits[rows],
+                    local[rows],
+                    log_z[rows],
+                    grad_lp[rows],
+                    grad_lp[rows] * in_shard[rows],
+                    entropy[rows] if use_entropy else None,
+                    grad_entropy[rows] if use_entropy else None,
+                    ctx.scale,
+                    use_entropy,
+                )
+                continue
             if ctx.scale != 1.0:
                 z = torch.mul(logits[rows].to(torch.float32), ctx.scale).sub_(log_z[rows, None])  # log p
             else:
@@ -154,7 +208,10 @@ class _ChunkedVocabLogprobs(torch.autograd.Function):
                 g.mul_(ctx.scale)
             grad[rows] = g
             del z, p, g
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
+
+
+COMPILE_MIN_CHUNK_LOGITS = 1 << 22  # auto: compiled on CUDA from ~4M logits per chunk
 
 
 def vocab_parallel_logprobs(
@@ -166,12 +223,17 @@ def vocab_parallel_logprobs(
     chunk_tokens: int = 1024,
     group=None,
     vocab_start: int = 0,
+    impl: str = "fused",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs ``[T]``, entropy ``[T]`` or None), fp32, of ``softmax(logits / temperature)``.
 
     ``logits``: ``[T, V_shard]`` in any float dtype, this rank's vocabulary columns starting at
-    ``vocab_start``; ``group``: the tensor-parallel group over which the vocabulary is sharded (None: whole).
+    ``vocab_start``; ``group``: the tensor-parallel group over which the vocabulary is sharded (None: whole);
+    ``impl``: ``fused`` (eager chunks), ``compiled`` (each chunk one torch.compile'd kernel) or ``auto``
+    (compiled on CUDA when a chunk holds at least :data:`COMPILE_MIN_CHUNK_LOGITS` logits).
     """
+    if impl not in ("auto", "compiled", "fused"):
+        raise ValueError(f"impl={impl!r} must be auto, compiled or fused")
     if logits.dim() != 2 or labels.shape != logits.shape[:1]:
         raise ValueError(
             f"logits must be [T, V] and labels [T]; got {tuple(logits.shape)} and {tuple(labels.shape)}"
@@ -180,11 +242,28 @@ def vocab_parallel_logprobs(
         raise ValueError(f"temperature={temperature} must be > 0")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
-    if group is None or dist.get_world_size(group) == 1:
-        if vocab_start:
-            raise ValueError(
-                f"vocab_start={vocab_start} without a tensor-parallel group: the shard is the vocabulary"
-            )
+    compiled = impl == "compiled" or (
+        impl == "auto"
+        and logits.is_cuda
+        and min(chunk_tokens, logits.shape[0]) * logits.shape[1] >= COMPILE_MIN_CHUNK_LOGITS
+    )
+    whole = group is None or dist.get_world_size(group) == 1
+    if whole and vocab_start:
+        raise ValueError(
+            f"vocab_start={vocab_start} without a tensor-parallel group: the shard is the vocabulary"
+        )
+    if compiled:
+        logprobs, entropy = _ChunkedVocabLogprobs.apply(
+            logits,
+            labels,
+            with_entropy,
+            1.0 / temperature,
+            chunk_tokens,
+            None if whole else group,
+            vocab_start,
+            True,
+        )
+    elif whole:
         logprobs, entropy = _ChunkedLogSoftmax.apply(
             logits, labels, with_entropy, 1.0 / temperature, chunk_tokens
         )

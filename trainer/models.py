@@ -49,7 +49,7 @@ def _common_fields(m: ModelConfig) -> dict[str, Any]:
         attention_dropout=0.0,
         rotary_interleaved=False,
         apply_rope_fusion=False,
-        bias_activation_fusion=False,
+        bias_activation_fusion=True,  # megatron's MLP then calls tidal.trainer.pointwise.bias_swiglu_impl
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         bias_dropout_fusion=False,
@@ -198,7 +198,16 @@ def transformer_config(
     return tconfig
 
 
-class RMSNorm(torch.nn.RMSNorm):
+class _RMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm, one compiled kernel forward and backward where ``trainer.kernels.pointwise`` says."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from tidal.trainer import pointwise
+
+        return pointwise.rms_norm(x, self.weight, self.eps, super().forward)
+
+
+class RMSNorm(_RMSNorm):
     """torch's RMSNorm with megatron's sequence-parallel marking (the local spec's norm refuses SP).
 
     Under sequence parallelism each TP rank normalises a different slice of the sequence, so the weight's
@@ -210,14 +219,14 @@ class RMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
 
-class QKRMSNorm(torch.nn.RMSNorm):
+class QKRMSNorm(_RMSNorm):
     """Per-head query/key RMSNorm (after the sequence all-gather; megatron all-reduces it by name)."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, **unused):
         super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
 
 
-class LatentRMSNorm(torch.nn.RMSNorm):
+class LatentRMSNorm(_RMSNorm):
     """MLA's norm of the compressed query / key-value latent, which every TP rank holds in full.
 
     With sequence parallelism the latent is scattered over the sequence: each rank's gradient is partial and
@@ -313,13 +322,14 @@ def build_model(
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from tidal.trainer import families, rope
+    from tidal.trainer import families, pointwise, rope
     from tidal.trainer.config import KernelConfig
 
     model = model.resolved()
     if use_te is None:
         use_te = te_available()
     rope.install()
+    pointwise.install((kernels or KernelConfig()).pointwise)
     vpp = tconfig.virtual_pipeline_model_parallel_size or 1
     chunks = []
     for stage in range(vpp):

@@ -67,9 +67,11 @@ def rotate(t: torch.Tensor, cos_: torch.Tensor, sin_: torch.Tensor, rotary_inter
     its trailing copy (``cat`` with an empty pass-through part) when the whole head is rotated."""
     from megatron.core.models.common.embeddings.rope_utils import _rotate_half
 
+    from tidal.trainer import pointwise
+
     rot_dim = cos_.shape[-1]
     if rot_dim == t.shape[-1]:
-        return (t * cos_) + (_rotate_half(t, rotary_interleaved) * sin_)
+        return pointwise.rotate(t, cos_, sin_, rotary_interleaved)  # one kernel on CUDA when large
     head, t_pass = t[..., :rot_dim], t[..., rot_dim:]
     return torch.cat(((head * cos_) + (_rotate_half(head, rotary_interleaved) * sin_), t_pass), dim=-1)
 

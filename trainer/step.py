@@ -154,9 +154,10 @@ class _FusedVocabParallel(_VocabParallel):
     """The same values through :func:`~tidal.trainer.fused_logprobs.vocab_parallel_logprobs` (row chunks,
     no fp32 copy of the logits kept for the backward)."""
 
-    def __init__(self, chunk_tokens: int):
+    def __init__(self, chunk_tokens: int, impl: str = "fused"):
         super().__init__()
         self.chunk_tokens = chunk_tokens
+        self.impl = impl
 
     def logprobs(self, logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool, temperature: float):
         from tidal.trainer.fused_logprobs import vocab_parallel_logprobs
@@ -169,6 +170,7 @@ class _FusedVocabParallel(_VocabParallel):
             chunk_tokens=self.chunk_tokens,
             group=self.group if self.size > 1 else None,
             vocab_start=self.rank * logits.shape[-1],
+            impl=self.impl,
         )
 
 
@@ -201,7 +203,7 @@ def _logprob_impl(chunks) -> _VocabParallel:
     kernels = _kernels(chunks)
     if kernels.logprobs == "reference":
         return _VocabParallel()
-    return _FusedVocabParallel(kernels.logprobs_chunk_tokens)
+    return _FusedVocabParallel(kernels.logprobs_chunk_tokens, kernels.logprobs)
 
 
 def _cp_seq_reduce(cp_group, cp_size: int):

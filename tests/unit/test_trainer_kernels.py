@@ -39,16 +39,32 @@ def _plain_logprobs(logits, labels, temperature):
     return logp.gather(-1, labels[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
 
+@pytest.fixture
+def uncompiled_chunk_fns(monkeypatch):
+    """``impl="compiled"`` with the chunk functions run eagerly: their arithmetic, without a CPU compile
+    (~30 s here); tests/gpu/test_gpu_trainer_kernels.py runs them compiled on CUDA."""
+    from tidal.trainer import fused_logprobs
+
+    monkeypatch.setattr(
+        fused_logprobs,
+        "_compiled_chunk_fns",
+        lambda: (fused_logprobs._shard_stats, fused_logprobs._shard_grad),
+    )
+
+
+@pytest.mark.parametrize("impl", ["fused", "compiled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_fused_logprobs_and_entropy_match_log_softmax_values_and_gradients(dtype, temperature):
+def test_fused_logprobs_and_entropy_match_log_softmax_values_and_gradients(
+    dtype, temperature, impl, uncompiled_chunk_fns
+):
     gen = torch.Generator().manual_seed(0)
     logits = (torch.randn(10, 37, generator=gen) * 3).to(dtype).requires_grad_()
     labels = torch.randint(0, 37, (10,), generator=gen)
     w_lp, w_h = torch.randn(10, generator=gen), torch.randn(10, generator=gen)
 
     lp, ent = vocab_parallel_logprobs(
-        logits, labels, with_entropy=True, temperature=temperature, chunk_tokens=3
+        logits, labels, with_entropy=True, temperature=temperature, chunk_tokens=3, impl=impl
     )
     grad = torch.autograd.grad((lp * w_lp + ent * w_h).sum(), logits)[0]
     ref_lp, ref_ent = _plain_logprobs(logits, labels, temperature)
@@ -63,10 +79,11 @@ def test_fused_logprobs_and_entropy_match_log_softmax_values_and_gradients(dtype
     torch.testing.assert_close(grad.float(), ref_grad.float(), rtol=tol, atol=tol)
 
 
-def test_fused_logprobs_without_entropy_and_bad_input():
+@pytest.mark.parametrize("impl", ["fused", "compiled"])
+def test_fused_logprobs_without_entropy_and_bad_input(impl, uncompiled_chunk_fns):
     logits = torch.randn(4, 9, requires_grad=True)
     labels = torch.tensor([0, 8, 3, 3])
-    lp, ent = vocab_parallel_logprobs(logits, labels)
+    lp, ent = vocab_parallel_logprobs(logits, labels, impl=impl)
     assert ent is None
     (grad,) = torch.autograd.grad(lp.sum(), logits)
     ref_lp, _ = _plain_logprobs(logits, labels, 1.0)
@@ -76,6 +93,8 @@ def test_fused_logprobs_without_entropy_and_bad_input():
         vocab_parallel_logprobs(logits[0], labels)
     with pytest.raises(ValueError, match="temperature"):
         vocab_parallel_logprobs(logits, labels, temperature=0.0)
+    with pytest.raises(ValueError, match="impl='triton' must be auto, compiled or fused"):
+        vocab_parallel_logprobs(logits, labels, impl="triton")
 
 
 def _qkv(lengths, heads=4, groups=2, dim=8, seed=0):
@@ -242,6 +261,15 @@ _CHILD = textwrap.dedent(
         assert ga.keys() == gb.keys()
         return max([rel(la, lb)] + [rel(ga[n], gb[n]) for n in ga])
 
+    from tidal.trainer import pointwise
+    # megatron's MLP (SequentialMLP's experts: weighted by their routing probabilities), ours, RoPE
+    pointwise_calls = {"weighted_bias_swiglu_impl": 0, "swiglu_parts": 0, "rotate": 0}
+    for name in pointwise_calls:
+        def counting(*args, _f=getattr(pointwise, name), _n=name):
+            pointwise_calls[_n] += 1
+            return _f(*args)
+        setattr(pointwise, name, counting)
+
     sequential = run(KernelConfig(experts="sequential", attention="sdpa"))
     loop = run(KernelConfig(experts="loop", attention="sdpa"))
     experts.grouped_mm_unsupported = lambda *a: None  # torch's CPU _grouped_mm stands in for the CUDA kernel
@@ -251,6 +279,7 @@ _CHILD = textwrap.dedent(
         kinds={"sequential": sequential[2], "loop": loop[2]},
         names_equal=sorted(sequential[1]) == sorted(loop[1]),
         loop=diff(sequential, loop), grouped=diff(sequential, grouped), flash=diff(sequential, flash),
+        pointwise_calls=pointwise_calls,
     )))
     parallel.shutdown()
     """
@@ -277,6 +306,12 @@ def test_grouped_experts_keep_sequential_mlp_parameters_and_results(model_level)
 @pytest.mark.slow
 def test_model_with_flash_path_equals_model_with_sdpa_path(model_level):
     assert model_level["flash"] <= 1e-5, model_level
+
+
+@pytest.mark.slow
+def test_models_route_swiglu_and_rotary_through_the_pointwise_module(model_level):
+    # megatron's MLP (SequentialMLP's experts), GroupedExperts, and the THD RoPE
+    assert all(n > 0 for n in model_level["pointwise_calls"].values()), model_level["pointwise_calls"]
 
 
 def test_foreach_optimizer_helpers_compute_what_megatrons_fallbacks_compute():
@@ -320,9 +355,12 @@ def test_fused_adam_is_left_alone_off_cuda():
 _TP_CHILD = textwrap.dedent(
     """
     import json, sys, torch, torch.distributed as dist
+    from tidal.trainer import fused_logprobs
     from tidal.trainer.fused_logprobs import vocab_parallel_logprobs
 
-    rank, port = int(sys.argv[1]), sys.argv[2]
+    rank, port, impl = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    # "compiled" with the chunk functions run eagerly (their arithmetic; CUDA compiles them: GPU suite)
+    fused_logprobs._compiled_chunk_fns = lambda: (fused_logprobs._shard_stats, fused_logprobs._shard_grad)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(7, 24, generator=gen) * 4
@@ -330,7 +368,7 @@ _TP_CHILD = textwrap.dedent(
     w_lp, w_h = torch.randn(7, generator=gen), torch.randn(7, generator=gen)
     shard = logits[:, 12 * rank : 12 * (rank + 1)].clone().requires_grad_()
     lp, ent = vocab_parallel_logprobs(shard, labels, with_entropy=True, temperature=0.8, chunk_tokens=3,
-                                      group=dist.group.WORLD, vocab_start=12 * rank)
+                                      group=dist.group.WORLD, vocab_start=12 * rank, impl=impl)
     (grad,) = torch.autograd.grad((lp * w_lp + ent * w_h).sum(), shard)
     full = logits.clone().requires_grad_()
     logp = torch.log_softmax(full / 0.8, -1)
@@ -346,14 +384,15 @@ _TP_CHILD = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_fused_logprobs_over_a_tensor_parallel_vocabulary_match_the_whole_vocabulary():
+@pytest.mark.parametrize("impl", ["fused", "compiled"])
+def test_fused_logprobs_over_a_tensor_parallel_vocabulary_match_the_whole_vocabulary(impl):
     """Two gloo processes, each holding half the vocabulary (what TP=2 gives the loss)."""
     from tidal.procs import free_port
 
     port = str(free_port())
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _TP_CHILD, str(rank), port],
+            [sys.executable, "-c", _TP_CHILD, str(rank), port, impl],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
