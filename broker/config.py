@@ -34,6 +34,14 @@ class JournalConfig(BaseModel):
     direct_io: bool = Field(
         True, description="append with O_DIRECT (falls back to the page cache where the file system refuses)"
     )
+    inline_bytes: int = Field(
+        1 << 20,
+        ge=0,
+        description="with writer 'thread': the records of one batch of requests handled that come to at most "
+        "this many bytes are written by the event loop at once, without waking the writer thread (the "
+        "wake-ups cost more than small writes); larger ones and compactions go to the thread. 0: always "
+        "the thread",
+    )
     writer: Literal["thread", "loop"] = Field(
         "thread",
         description="who writes: 'thread' = a writer thread, so the loop never waits for the device and "

@@ -41,6 +41,7 @@ def build_state(config) -> BrokerState:
         direct_io=cfg.journal.direct_io,
         background=cfg.journal.writer == "thread",
         deferred=cfg.journal.writer == "loop",
+        inline_bytes=cfg.journal.inline_bytes,
     )
     state = BrokerState(cfg, source, journal)
     records = journal.open()

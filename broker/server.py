@@ -148,10 +148,10 @@ class BrokerServer:
             self._commit()
 
     def _commit(self) -> None:
-        """With a deferred journal: write what the requests just handled appended, then send the replies
-        that waited for it."""
+        """Write (or hand the writer thread) what the requests just handled appended, then send the
+        replies that waited for what is written."""
         j = self.state.journal
-        if j is None or not j.deferred:
+        if j is None:
             return
         j.commit()
         if self._held:  # also those a compaction's flush made durable

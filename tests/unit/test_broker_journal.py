@@ -167,3 +167,21 @@ def test_append_and_compact_say_where_each_payload_lies_and_in_which_file(tmp_pa
     again.open()
     assert again.file_id == compacted[0][0]
     again.close()
+
+
+def test_background_mode_writes_small_commits_inline_and_large_ones_on_its_thread(tmp_path):
+    j = Journal(tmp_path, fsync="never", background=True, inline_bytes=100_000)
+    j.open()
+    reported: list[int] = []
+    j.on_durable = reported.append
+    j.append(Kind.GROUP, b"small" * 100)
+    j.append(Kind.VERSION, b"v")
+    assert j.durable_seq == 0  # appended, not yet committed
+    j.commit()
+    assert j.durable_seq == 2 and reported == []  # written by the committing thread: nothing to report
+    j.append(Kind.GROUP, os.urandom(200_000))  # over inline_bytes: the writer thread's
+    j.commit()
+    j.flush()
+    assert j.durable_seq == 3 and reported == [3]
+    j.close()
+    assert [k for k, _ in Journal(tmp_path).open()] == [Kind.GROUP, Kind.VERSION, Kind.GROUP]
