@@ -20,6 +20,7 @@ can journal and forward the frame as it came.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from collections.abc import Callable
@@ -82,15 +83,19 @@ def encode_group(group: Group, alloc: Callable[[int], np.ndarray] | None = None)
     n = len(ss)
     # Per-sample columns are packed with struct (a handful of values: cheaper than numpy calls).
     packed: dict[str, tuple[str, int, bytes]] = {
-        "rewards": ("<f8", n, struct.pack(f"<{n}d", *(s.reward for s in ss))),
-        "prompt_lens": ("<i4", n, struct.pack(f"<{n}i", *(len(s.prompt_ids) for s in ss))),
-        "response_lens": ("<i4", n, struct.pack(f"<{n}i", *(len(s.response_ids) for s in ss))),
+        "rewards": ("<f8", n, _struct(n, "d").pack(*[s.reward for s in ss])),
+        "prompt_lens": ("<i4", n, _struct(n, "i").pack(*[len(s.prompt_ids) for s in ss])),
+        "response_lens": ("<i4", n, _struct(n, "i").pack(*[len(s.response_ids) for s in ss])),
     }
     info = msgpack.packb([[s.finish_reason for s in ss], [s.meta for s in ss]])
     packed[SAMPLE_INFO] = ("|u1", len(info), info)
-    columns: dict[str, list[np.ndarray]] = {
-        name: [_flat(getattr(s, name), name) for s in ss] for name in TOKEN_ARRAYS
-    }
+    columns: dict[str, list[np.ndarray]] = {}
+    for name in TOKEN_ARRAYS:
+        col = [getattr(s, name) for s in ss]
+        # this runs for every group a node submits: arrays that are 1-D already take no call each
+        if not all(type(a) is np.ndarray and a.ndim == 1 for a in col):
+            col = [_flat(a, name) for a in col]
+        columns[name] = col
     if any(s.loss_mask is not None for s in ss):
         columns["loss_mask"] = [
             _flat(s.loss_mask, "loss_mask")
@@ -104,7 +109,7 @@ def encode_group(group: Group, alloc: Callable[[int], np.ndarray] | None = None)
         offset += len(data) + _pad(len(data))
     for name, col in columns.items():
         dt = _little(np.result_type(*col)) if col else np.dtype(np.int32)
-        count = sum(len(p) for p in col)
+        count = sum(map(len, col))
         specs[name] = [dt.str, count, offset]
         offset += count * dt.itemsize
         offset += _pad(offset)
@@ -168,24 +173,23 @@ class _Frame:
         self._check_samples()
 
     def _specs(self, arrays: dict[Any, Any], data_start: int) -> dict[str, tuple[np.dtype, int, int]]:
+        # Runs for every submitted group: the messages are built only when a check fails.
         out = {}
+        size = len(self.buf)
         for name, spec in arrays.items():
-            where = f"group {self.gid!r} array {name!r}"
             if name not in _KNOWN:
-                raise ProtocolError(BAD_GROUP, f"{where}: unknown array; known: {', '.join(_KNOWN)}")
-            if not (isinstance(spec, list) and len(spec) == 3):
-                raise ProtocolError(BAD_GROUP, f"{where}: spec must be [dtype, count, offset]")
+                raise self._bad(name, f"unknown array; known: {', '.join(_KNOWN)}")
+            if type(spec) is not list or len(spec) != 3:
+                raise self._bad(name, "spec must be [dtype, count, offset]")
             dtype, count, offset = spec
-            if dtype not in ALLOWED_DTYPES:
-                raise ProtocolError(
-                    BAD_GROUP, f"{where}: dtype {dtype!r} not allowed; use one of {sorted(ALLOWED_DTYPES)}"
-                )
+            dt = _DTYPES.get(dtype) if type(dtype) is str else None
+            if dt is None:
+                raise self._bad(name, f"dtype {dtype!r} not allowed; use one of {sorted(ALLOWED_DTYPES)}")
             if type(count) is not int or type(offset) is not int or count < 0 or offset < 0:
-                raise ProtocolError(BAD_GROUP, f"{where}: count and offset must be non-negative integers")
-            dt = _DTYPES[dtype]
+                raise self._bad(name, "count and offset must be non-negative integers")
             begin = data_start + offset
-            if begin + count * dt.itemsize > len(self.buf):
-                raise ProtocolError(BAD_GROUP, f"{where}: {count} x {dtype} runs past the frame")
+            if begin + count * dt.itemsize > size:
+                raise self._bad(name, f"{count} x {dtype} runs past the frame")
             out[name] = (dt, count, begin)
         for name in REQUIRED_ARRAYS:
             if name not in out:
@@ -200,13 +204,16 @@ class _Frame:
             raise ProtocolError(BAD_GROUP, f"group {self.gid!r}: {SAMPLE_INFO!r} must be bytes (|u1)")
         return out
 
+    def _bad(self, name: Any, what: str) -> ProtocolError:
+        return ProtocolError(BAD_GROUP, f"group {self.gid!r} array {name!r}: {what}")
+
     def column(self, name: str) -> np.ndarray:
         dt, count, begin = self.specs[name]
         return np.frombuffer(self.buf, dtype=dt, count=count, offset=begin)
 
     def _per_sample(self, name: str, code: str) -> tuple[Any, ...]:
         _, count, begin = self.specs[name]
-        return struct.unpack_from(f"<{count}{code}", self.buf, begin)
+        return _struct(count, code).unpack_from(self.buf, begin)
 
     def _check_samples(self) -> None:
         self.prompt_lens = self._per_sample("prompt_lens", "i")
@@ -214,18 +221,22 @@ class _Frame:
         self.rewards = self._per_sample("rewards", "d")
         if min(self.prompt_lens) < 0 or min(self.response_lens) < 0:
             raise ProtocolError(BAD_GROUP, f"group {self.gid!r}: sample lengths must be non-negative")
-        want = {"prompt_ids": sum(self.prompt_lens)}
-        want.update(dict.fromkeys(RESPONSE_ARRAYS, sum(self.response_lens)))
+        prompt_tokens, response_tokens = sum(self.prompt_lens), sum(self.response_lens)
         for name, (_, count, _) in self.specs.items():
-            if name in want and count != want[name]:
+            want = prompt_tokens if name in PROMPT_ARRAYS else response_tokens
+            if count != want and (name in PROMPT_ARRAYS or name in RESPONSE_ARRAYS):
                 length = "prompt_lens" if name in PROMPT_ARRAYS else "response_lens"
                 raise ProtocolError(
                     BAD_GROUP,
-                    f"group {self.gid!r} array {name!r}: {name} has {count} entries, "
-                    f"sum({length}) is {want[name]}",
+                    f"group {self.gid!r} array {name!r}: {name} has {count} entries, sum({length}) is {want}",
                 )
         if not all(map(math.isfinite, self.rewards)):
             raise ProtocolError(BAD_GROUP, f"group {self.gid!r}: rewards must be finite numbers")
+
+
+@functools.cache
+def _struct(count: int, code: str) -> struct.Struct:
+    return struct.Struct(f"<{count}{code}")
 
 
 def decode_group(frame: Any) -> Group:
@@ -278,7 +289,7 @@ def inspect_group(frame: Any) -> GroupInfo:
         group_id=f.gid,
         num_samples=f.n,
         rewards=list(f.rewards),
-        min_version=int(versions.min()) if versions.size else 0,
+        min_version=int(np.minimum.reduce(versions)) if versions.size else 0,  # no np.min wrapper
         num_tokens=f.specs["response_ids"][1],
     )
 

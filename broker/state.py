@@ -60,6 +60,7 @@ class BrokerState:
         self.counters = Counters()
         self.histogram: Counter[int] = Counter()
         self._recent: deque[tuple[float, int, int]] = deque()  # (time, samples, bytes) of accepted groups
+        self._recent_sums = [0, 0]  # samples and bytes in _recent (stats are taken every tick)
         # Staleness only grows with the version: buffered groups are checked again only when it changed,
         # others once (every get_batch used to walk the whole buffer).
         self._scanned_version: int | None = None
@@ -329,6 +330,8 @@ class BrokerState:
         c.accepted_bytes += nbytes
         if now is not None:
             self._recent.append((now, s.info.num_samples, nbytes))
+            self._recent_sums[0] += s.info.num_samples
+            self._recent_sums[1] += nbytes
 
     # ----------------------------------------------------------------- version
     def publish_version(self, version: int) -> None:
@@ -494,13 +497,15 @@ class BrokerState:
     # ------------------------------------------------------------------- stats
     def throughput(self, now: float) -> dict[str, float]:
         while self._recent and self._recent[0][0] < now - THROUGHPUT_WINDOW_S:
-            self._recent.popleft()
+            _, samples, nbytes = self._recent.popleft()
+            self._recent_sums[0] -= samples
+            self._recent_sums[1] -= nbytes
         span = THROUGHPUT_WINDOW_S
         return {
             "window_s": span,
             "groups_per_s": len(self._recent) / span,
-            "samples_per_s": sum(r[1] for r in self._recent) / span,
-            "bytes_per_s": sum(r[2] for r in self._recent) / span,
+            "samples_per_s": self._recent_sums[0] / span,
+            "bytes_per_s": self._recent_sums[1] / span,
         }
 
     def stats(self, now: float | None = None) -> dict[str, Any]:
