@@ -29,6 +29,7 @@ import transformers
 from engine_throughput import model_config
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from tidal.rollout.embedded import native_step
 from tidal.rollout.embedded.kv_cache import KVPool
 from tidal.rollout.embedded.lean import LeanDecoder
 from tidal.rollout.embedded.model import build_model
@@ -59,6 +60,15 @@ CATEGORIES = {
     "sampling / logprobs": ("aten::_log_softmax", "aten::argmax", "aten::gather"),
 }
 OTHER = "norms, rotary, residuals, other elementwise"
+# the native step (one C call) is invisible to torch.profiler: it times its own parts (native_step.TIMED_PARTS)
+NATIVE_PARTS = {
+    "gemm": "projection / expert / LM-head GEMMs",
+    "attention": "attention (QK, softmax, PV)",
+    "qk_norm_rotary_kv_write": OTHER,
+    "moe_routing": "MoE routing and combine",
+    "elementwise": OTHER,
+}
+OUTSIDE = "outside the kernel (Python, the call, tensors)"
 
 
 def parse_args() -> argparse.Namespace:
@@ -74,6 +84,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--context", type=int, default=None, help="cached positions (default prompt + new/2)")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--cpu-step",
+        default="auto",
+        choices=["auto", "native", "torch"],
+        help="the engine's step: one native call (auto with --threads 1) or PyTorch ops",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     return p.parse_args()
@@ -119,6 +135,21 @@ def step_macs(cfg, batch: int, context: int) -> tuple[float, float]:
     return gemm, attention
 
 
+def native_parts_ms(lean, engine_step, ids, positions, context, params, calls: int) -> dict[str, float]:
+    """The native step's parts (its own clock) over ``calls`` steps, and sampling timed on its own."""
+    lean.native_step.time_parts()
+    for _ in range(calls):
+        engine_step()
+    split: dict[str, float] = collections.defaultdict(float)
+    for part, ns in zip(native_step.TIMED_PARTS, lean.native_step.timings.tolist(), strict=True):
+        split[NATIVE_PARTS[part]] += ns / 1e6 / calls
+    lean.native_step.time_parts(False)
+    logits = lean(ids, positions, context + 1, masked=False)
+    generators = [None] * len(params)
+    split["sampling / logprobs"] += cpu_ms(lambda: sample(logits, params, generators), calls)
+    return dict(split)
+
+
 class _Labelled:
     """The native attention kernel (a ctypes call, invisible to the profiler) under a profiler label."""
 
@@ -148,7 +179,7 @@ def main() -> None:
 
     # the engine: the pool's rows 0..batch-1 hold `context` positions (the prompt's real keys and values)
     pool = KVPool(cfg.num_hidden_layers, a.batch, context + 1, "cpu")
-    lean = LeanDecoder(lm, pool)
+    lean = LeanDecoder(lm, pool, cpu_step=a.cpu_step)
     positions = torch.full((a.batch,), context)
     params = [SamplingParams(temperature=0.0, ignore_eos=True)] * a.batch
     generators = [None] * a.batch
@@ -196,14 +227,19 @@ def main() -> None:
         if lean.native is not None:
             lean.native = _Labelled(lean.native)
         profiled: dict[str, list[dict[str, float]]] = {"engine": [], "transformers": []}
+        native_split: list[dict[str, float]] = []
         for _ in range(3):
-            profiled["engine"].append(categorised_ms(engine_step, 10))
+            if lean.native_step is not None:
+                native_split.append(native_parts_ms(lean, engine_step, ids, positions, context, params, 10))
+            else:
+                profiled["engine"].append(categorised_ms(engine_step, 10))
             profiled["transformers"].append(categorised_ms(transformers_step, 10))
     # per category: the median over three profiled rounds, then the shares scaled to the un-profiled step
     # (the profiler's own per-op cost inflates small ops, so its absolute times overstate them)
     splits = {
         side: {cat: statistics.median(r.get(cat, 0.0) for r in rounds_) for cat in [*CATEGORIES, OTHER]}
         for side, rounds_ in profiled.items()
+        if rounds_
     }
     step = {k: statistics.median(v) for k, v in rounds.items()}
     rate = matmul_rate_gmacs(a.batch, cfg.hidden_size, a.repeats)
@@ -222,7 +258,8 @@ def main() -> None:
         "attention MACs at the same rate": attention_macs / rate / 1e6,
     }
     print(
-        f"batch {a.batch}, context {context}, {a.threads} thread(s); engine attention: {lean.attention}\n"
+        f"batch {a.batch}, context {context}, {a.threads} thread(s); engine step: {lean.step}; "
+        f"attention: {lean.attention}\n"
         f"logits max |engine - transformers| "
         f"{max_diff:.1e}; matmul rate {rate:.1f} GMAC/s; KV read per step {kv_bytes / 1e6:.1f} MB"
     )
@@ -235,12 +272,19 @@ def main() -> None:
         side: {cat: ms / sum(split.values()) * step[side] for cat, ms in split.items()}
         for side, split in splits.items()
     }
+    if native_split:
+        # the kernel's own clock per part, not scaled; what is left of the step ran outside it
+        parts = {
+            cat: statistics.median(r.get(cat, 0.0) for r in native_split) for cat in [*CATEGORIES, OTHER]
+        }
+        parts[OUTSIDE] = step["engine"] - sum(parts.values())
+        splits["engine"] = scaled["engine"] = parts
     print(
         "\n| where (ms per step: profiled share x un-profiled step) | engine | share | transformers | share |"
         "\n|---|---:|---:|---:|---:|"
     )
-    for cat in [*CATEGORIES, OTHER]:
-        e, t = scaled["engine"][cat], scaled["transformers"][cat]
+    for cat in [*CATEGORIES, OTHER, *([OUTSIDE] if native_split else [])]:
+        e, t = scaled["engine"][cat], scaled["transformers"].get(cat, 0.0)
         print(f"| {cat} | {e:.3f} | {e / step['engine']:.0%} | {t:.3f} | {t / step['transformers']:.0%} |")
     print(f"| un-profiled step | {step['engine']:.3f} | | {step['transformers']:.3f} | |")
     print(
@@ -265,6 +309,7 @@ def main() -> None:
             "kv_bytes_per_step": kv_bytes,
             "logits_max_abs_diff": max_diff,
             "engine_attention": lean.attention,
+            "engine_step": lean.step,
             "torch": torch.__version__,
             "transformers": transformers.__version__,
         }

@@ -47,53 +47,124 @@ static inline __attribute__((always_inline)) __m256 dot8(const float *q, const f
   return acc;
 }
 
-/* the G query heads of one K/V head over its first L keys; D is a constant after inlining */
-static inline __attribute__((always_inline)) void head(const float *restrict q, const float *restrict k,
-                                                        const float *restrict v, int L, int G, int D,
-                                                        float scale, float *restrict s, float *restrict o) {
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vfu __attribute__((vector_size(VW * 4), aligned(4), may_alias));
+#define VLD(p) (*(const vfu *)(p))
+#define VST(p, v) (*(vfu *)(p) = (v))
+/* accumulator vectors one pass of the probabilities-times-values loop keeps (of the 16 or 32 registers) */
+#define PV_ACC (VW == 16 ? 16 : 8)
+
+/* The G query heads of one K/V head over its first L keys, in one pass over the keys: each block of eight
+   keys is read once for all G heads (scores: one horizontal-add tree per head and block), an fp32 softmax
+   per head, then each value row is read once for all G heads, summed into G x D/VW accumulators (passes
+   over column blocks when that exceeds PV_ACC). G and D are constants after inlining.
+   s: G * (L + 8) floats of scratch; o: [G, D]. */
+static inline __attribute__((always_inline)) void head_group(const float *restrict q, const float *restrict k,
+                                                              const float *restrict v, int L, const int G,
+                                                              const int D, float scale, float *restrict s,
+                                                              float *restrict o) {
   const __m256 vscale = _mm256_set1_ps(scale);
-  for (int g = 0; g < G; g++) {
-    const float *qg = q + g * D;
-    int l = 0;
-    for (; l + 8 <= L; l += 8) {
-      const float *kb = k + (int64_t)l * D;
+  const int SL = L + 8;
+  int l = 0;
+  for (; l + 8 <= L; l += 8) {
+    const float *kb = k + (int64_t)l * D;
+    _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {
+      const float *qg = q + g * D;
       __m256 r = reduce8(dot8(qg, kb, D), dot8(qg, kb + D, D), dot8(qg, kb + 2 * D, D),
                          dot8(qg, kb + 3 * D, D), dot8(qg, kb + 4 * D, D), dot8(qg, kb + 5 * D, D),
                          dot8(qg, kb + 6 * D, D), dot8(qg, kb + 7 * D, D));
-      _mm256_storeu_ps(s + l, _mm256_mul_ps(r, vscale));
+      _mm256_storeu_ps(s + g * SL + l, _mm256_mul_ps(r, vscale));
     }
-    for (; l < L; l++) {
-      __m256 a = dot8(qg, k + (int64_t)l * D, D);
+  }
+  for (; l < L; l++) {
+    for (int g = 0; g < G; g++) {
+      __m256 a = dot8(q + g * D, k + (int64_t)l * D, D);
       __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
       h = _mm_hadd_ps(h, h);
       h = _mm_hadd_ps(h, h);
-      s[l] = _mm_cvtss_f32(h) * scale;
+      s[g * SL + l] = _mm_cvtss_f32(h) * scale;
     }
-    float mx = -FLT_MAX;
-    for (l = 0; l < L; l++) mx = s[l] > mx ? s[l] : mx;
-    float sum = 0.f;
+  }
+  float inv[8];
+  for (int g = 0; g < G; g++) {
+    float *sg = s + g * SL, mx = -FLT_MAX, sum = 0.f;
+    for (l = 0; l < L; l++) mx = sg[l] > mx ? sg[l] : mx;
     for (l = 0; l < L; l++) {
-      const float e = expf(s[l] - mx);
-      s[l] = e;
+      const float e = expf(sg[l] - mx);
+      sg[l] = e;
       sum += e;
     }
-    __m256 acc[32];
-    for (int c = 0; c < D / 8; c++) acc[c] = _mm256_setzero_ps();
-    for (l = 0; l < L; l++) {
-      const __m256 p = _mm256_set1_ps(s[l]);
-      const float *vl = v + (int64_t)l * D;
-      for (int c = 0; c < D / 8; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vl + 8 * c), acc[c]);
+    inv[g] = 1.f / sum;
+  }
+  const int CB = G * (D / VW) <= PV_ACC ? D / VW : (PV_ACC / G > 0 ? PV_ACC / G : 1);
+  /* two keys per iteration into two accumulator sets when they fit: an FMA's latency is four cycles, so
+     G x CB < 8 chains alone would wait on it */
+  const int TWO = 2 * G * CB <= PV_ACC;
+  for (int c0 = 0; c0 < D / VW; c0 += CB) {
+    vf acc[8][PV_ACC], acc2[8][PV_ACC];
+    _Pragma("GCC unroll 8") for (int g = 0; g < G; g++)
+      _Pragma("GCC unroll 16") for (int c = 0; c < CB; c++) acc[g][c] = acc2[g][c] = (vf){};
+    l = 0;
+    if (TWO)
+      for (; l + 2 <= L; l += 2) {
+        const float *vl = v + (int64_t)l * D + c0 * VW;
+        _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {
+          const vf p = (vf){} + s[g * SL + l], p2 = (vf){} + s[g * SL + l + 1];
+          _Pragma("GCC unroll 16") for (int c = 0; c < CB; c++) {
+            acc[g][c] += p * VLD(vl + c * VW);
+            acc2[g][c] += p2 * VLD(vl + D + c * VW);
+          }
+        }
+      }
+    for (; l < L; l++) {
+      const float *vl = v + (int64_t)l * D + c0 * VW;
+      _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {
+        const vf p = (vf){} + s[g * SL + l];
+        _Pragma("GCC unroll 16") for (int c = 0; c < CB; c++) acc[g][c] += p * VLD(vl + c * VW);
+      }
     }
-    const __m256 inv = _mm256_set1_ps(1.f / sum);
-    for (int c = 0; c < D / 8; c++) _mm256_storeu_ps(o + g * D + 8 * c, _mm256_mul_ps(acc[c], inv));
+    _Pragma("GCC unroll 8") for (int g = 0; g < G; g++)
+      _Pragma("GCC unroll 16") for (int c = 0; c < CB; c++)
+        VST(o + g * D + (c0 + c) * VW, (acc[g][c] + acc2[g][c]) * inv[g]);
   }
 }
 
-#define CASE(DIM) case DIM: head(qr, k, v, L, G, DIM, scale, scratch, o); break;
+/* the G (<= 8) query heads of a K/V head; constant head dims and group sizes get their own code */
+static void head(const float *q, const float *k, const float *v, int L, int G, int D, float scale, float *s,
+                 float *o) {
+#define GROUP(DIM, GS) head_group(q, k, v, L, GS, DIM, scale, s, o)
+#define DIMS(GS)                                     \
+  switch (D) {                                       \
+    case 16: GROUP(16, GS); break;                   \
+    case 32: GROUP(32, GS); break;                   \
+    case 64: GROUP(64, GS); break;                   \
+    case 128: GROUP(128, GS); break;                 \
+    case 256: GROUP(256, GS); break;                 \
+  }
+  switch (G) {
+    case 1: DIMS(1) break;
+    case 2: DIMS(2) break;
+    case 4: DIMS(4) break;
+    case 8: DIMS(8) break;
+    default:
+      for (int g = 0; g < G; g++) {
+        DIMS(1)
+        q += D;
+        o += D;
+      }
+  }
+#undef DIMS
+#undef GROUP
+}
 
 /* q: row r, query head j at q + r * q_row_stride + j * D (heads of a K/V head consecutive);
    K, V: [slots, KVH, maxlen, D] contiguous; lengths[r] keys for row r; out: [R, KVH * G * D];
-   scratch: maxlen + 8 floats. Returns 0, or -1 for a head dim it was not built for. */
+   scratch: 8 * (maxlen + 8) floats. Returns 0, or -1 for a head dim it was not built for. */
 int tidal_decode_attention(const float *q, int64_t q_row_stride, const float *K, const float *V,
                            const int64_t *lengths, float *out, int R, int KVH, int G, int D, int maxlen,
                            float scale, float *scratch) {
@@ -105,7 +176,8 @@ int tidal_decode_attention(const float *q, int64_t q_row_stride, const float *K,
       const float *k = K + cache, *v = V + cache;
       const float *qr = q + r * q_row_stride + (int64_t)h * G * D;
       float *o = out + ((int64_t)r * KVH + h) * G * D;
-      switch (D) { CASE(16) CASE(32) CASE(64) CASE(128) CASE(256) }
+      for (int g0 = 0; g0 < G; g0 += 8)
+        head(qr + g0 * D, k, v, L, G - g0 < 8 ? G - g0 : 8, D, scale, scratch, o + g0 * D);
     }
   }
   return 0;
@@ -137,7 +209,7 @@ class NativeDecodeAttention:
         self.fn = fn
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.scaling = scaling
-        self.scratch = torch.empty(max_seq_len + 8, dtype=torch.float32)
+        self.scratch = torch.empty(8 * (max_seq_len + 8), dtype=torch.float32)
 
     def __call__(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor
@@ -147,7 +219,7 @@ class NativeDecodeAttention:
         rows = q.shape[0]
         if not (q.stride(2) == 1 and q.stride(1) == self.head_dim and keys.is_contiguous()):
             raise ValueError("native decode attention: unexpected tensor layout")
-        if rows > keys.shape[0] or keys.shape[2] + 8 > self.scratch.numel():
+        if rows > keys.shape[0] or 8 * (keys.shape[2] + 8) > self.scratch.numel():
             raise ValueError(
                 f"native decode attention: {rows} rows or length {keys.shape[2]} exceed the pool"
             )

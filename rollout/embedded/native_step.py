@@ -33,6 +33,7 @@ SOURCE = (
     native_attention.SOURCE
     + r"""
 #include <string.h>
+#include <time.h>
 
 /* ---- the whole decode (or prefill) step of a Qwen3 / Qwen3-MoE model, fp32, one call ----
 
@@ -41,15 +42,7 @@ of the vector width with zeros), so every projection is C[N, cols] = W[N, K] @ X
 weights read in their own row-major layout (no packed copy that a weight update could leave stale) and
 the rows' values side by side in one vector register. */
 
-#if defined(__AVX512F__)
-#define VW 16
-#else
-#define VW 8
-#endif
-typedef float vf __attribute__((vector_size(VW * 4)));
-typedef float vfu __attribute__((vector_size(VW * 4), aligned(4), may_alias));
-#define VLD(p) (*(const vfu *)(p))
-#define VST(p, v) (*(vfu *)(p) = (v))
+/* VW, vf, VLD, VST: the vector width and type of native_attention's source, which comes first */
 #define ROUND_UP(n, k) (((n) + (k) - 1) / (k) * (k))
 
 /* one register tile: C[R rows, T vectors] (+)= A[R, :K] @ B[:K, T vectors]; the product is summed from zero
@@ -95,7 +88,7 @@ DEF_TILE(tile_11, 1, 1)
 
 /* C[N, cols] (+)= A[N, K] @ B[K, cols]; cols a multiple of VW; ld*: row strides in floats. Rows of A are
    taken in chunks of about 128 KiB so that a chunk stays in L2 while every column block passes over it. */
-static void gemm(const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc, int N,
+static void gemm_tiled(const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc, int N,
                  int cols, int K, int accumulate) {
   int chunk = (int)(32768 / (K > 0 ? K : 1));
   chunk = chunk < 16 ? 16 : chunk;
@@ -118,6 +111,91 @@ static void gemm(const float *A, int64_t lda, const float *B, int64_t ldb, float
   }
 }
 
+static inline float hsum(vf v) {
+  float s = 0.f;
+  _Pragma("GCC unroll 16") for (int j = 0; j < VW; j++) s += v[j];
+  return s;
+}
+
+/* NB rows of A against R (<= 4) gathered columns (xs: R rows of K): dot products along k */
+#define DEF_FEW(NAME, NB, R)                                                                           \
+  static void NAME(const float *A, int64_t lda, const float *xs, float *C, int64_t ldc, int K,          \
+                   int accumulate) {                                                                   \
+    vf acc[NB][R];                                                                                     \
+    float tail[NB][R];                                                                                 \
+    _Pragma("GCC unroll 4") for (int i = 0; i < NB; i++)                                                \
+      _Pragma("GCC unroll 4") for (int c = 0; c < R; c++) acc[i][c] = (vf){}, tail[i][c] = 0.f;         \
+    int k = 0;                                                                                         \
+    for (; k + VW <= K; k += VW) {                                                                     \
+      vf x[R];                                                                                         \
+      _Pragma("GCC unroll 4") for (int c = 0; c < R; c++) x[c] = VLD(xs + (int64_t)c * K + k);          \
+      _Pragma("GCC unroll 4") for (int i = 0; i < NB; i++) {                                            \
+        const vf w = VLD(A + (int64_t)i * lda + k);                                                    \
+        _Pragma("GCC unroll 4") for (int c = 0; c < R; c++) acc[i][c] += w * x[c];                      \
+      }                                                                                                \
+    }                                                                                                  \
+    for (; k < K; k++)                                                                                 \
+      for (int i = 0; i < NB; i++)                                                                     \
+        for (int c = 0; c < R; c++) tail[i][c] += A[(int64_t)i * lda + k] * xs[(int64_t)c * K + k];    \
+    _Pragma("GCC unroll 4") for (int i = 0; i < NB; i++)                                                \
+      _Pragma("GCC unroll 4") for (int c = 0; c < R; c++) {                                             \
+        const float y = hsum(acc[i][c]) + tail[i][c];                                                  \
+        float *out = C + (int64_t)i * ldc + c;                                                         \
+        *out = accumulate ? *out + y : y;                                                              \
+      }                                                                                                \
+  }
+DEF_FEW(few_4_1, 4, 1)
+DEF_FEW(few_4_2, 4, 2)
+DEF_FEW(few_4_3, 4, 3)
+DEF_FEW(few_4_4, 4, 4)
+DEF_FEW(few_1_1, 1, 1)
+DEF_FEW(few_1_2, 1, 2)
+DEF_FEW(few_1_3, 1, 3)
+DEF_FEW(few_1_4, 1, 4)
+
+/* columns up to which the dot-product kernel runs instead of the padded tiles (which would multiply mostly
+   zero columns) */
+#define FEW_COLUMNS (VW / 2)
+
+/* C (+)= A @ B over the first `rows` of `cols` columns (the rest are padding: left alone when accumulating,
+   zeros otherwise). xs: 4 * K floats of scratch. */
+static void gemm(const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc, int N,
+                 int rows, int cols, int K, int accumulate, float *xs) {
+  if (rows > FEW_COLUMNS) {
+    gemm_tiled(A, lda, B, ldb, C, ldc, N, cols, K, accumulate);
+    return;
+  }
+  for (int c0 = 0; c0 < rows; c0 += 4) {
+    const int R = rows - c0 < 4 ? rows - c0 : 4;
+    for (int c = 0; c < R; c++)
+      for (int k = 0; k < K; k++) xs[(int64_t)c * K + k] = B[(int64_t)k * ldb + c0 + c];
+    for (int n = 0; n < N;) {
+      const float *a = A + (int64_t)n * lda;
+      float *out = C + (int64_t)n * ldc + c0;
+      if (n + 4 <= N) {
+        switch (R) {
+          case 1: few_4_1(a, lda, xs, out, ldc, K, accumulate); break;
+          case 2: few_4_2(a, lda, xs, out, ldc, K, accumulate); break;
+          case 3: few_4_3(a, lda, xs, out, ldc, K, accumulate); break;
+          default: few_4_4(a, lda, xs, out, ldc, K, accumulate);
+        }
+        n += 4;
+      } else {
+        switch (R) {
+          case 1: few_1_1(a, lda, xs, out, ldc, K, accumulate); break;
+          case 2: few_1_2(a, lda, xs, out, ldc, K, accumulate); break;
+          case 3: few_1_3(a, lda, xs, out, ldc, K, accumulate); break;
+          default: few_1_4(a, lda, xs, out, ldc, K, accumulate);
+        }
+        n += 1;
+      }
+    }
+  }
+  if (!accumulate)
+    for (int n = 0; n < N; n++)
+      for (int c = rows; c < cols; c++) C[(int64_t)n * ldc + c] = 0.f;
+}
+
 typedef struct {
   const float *input_norm, *post_norm, *qkv, *q_norm, *k_norm, *o_proj;
   const float *gate_up, *down;                          /* dense MLP [2I, H], [H, I]; NULL in a MoE layer */
@@ -131,12 +209,32 @@ typedef struct {
   float eps, scaling;
   const float *embed, *final_norm, *lm_head, *cos, *sin_signed; /* rotary tables [max_seq_len, D] */
   const Layer *layer;
+  double *timings; /* NULL; or nanoseconds per part of the step, added up (the step profiler's split) */
 } Model;
+
+enum { T_GEMM, T_ATTENTION, T_QK_ROTARY_KV, T_ROUTING, T_ELEMENTWISE, T_PARTS };
+
+static inline double now_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec * 1e9 + (double)t.tv_nsec;
+}
+
+#define TIMED(part, stmt)                              \
+  do {                                                 \
+    if (m->timings) {                                  \
+      const double t0_ = now_ns();                     \
+      stmt;                                            \
+      m->timings[part] += now_ns() - t0_;              \
+    } else {                                           \
+      stmt;                                            \
+    }                                                  \
+  } while (0)
 
 /* Where each buffer of one step lives in the caller's scratch memory (floats; 64-byte aligned pieces). */
 typedef struct {
-  float *h, *x, *qkv, *cos, *sin, *q, *attn, *inv, *attn_scratch;
-  float *mlp, *act, *router, *moe, *gathered, *expert_out, *head_in, *logits_t;
+  float *h, *x, *qkv, *cos, *sin, *q, *attn, *attn_rows, *inv, *attn_scratch;
+  float *mlp, *act, *router, *moe, *gathered, *expert_out, *head_in, *logits_t, *few;
   int32_t *pair_row, *chosen;
   float *pair_weight, *chosen_weight;
   int64_t cols, pair_cols, out_cols, total;
@@ -170,8 +268,9 @@ static Plan plan(const Model *m, int rows, int out_rows, float *base) {
   TAKE(sin, float, D * p.cols)
   TAKE(q, float, (int64_t)rows * qw)
   TAKE(attn, float, qw * p.cols)
+  TAKE(attn_rows, float, qw * VW)
   TAKE(inv, float, p.cols)
-  TAKE(attn_scratch, float, m->max_seq_len + 16)
+  TAKE(attn_scratch, float, 8 * (m->max_seq_len + 8))
   TAKE(mlp, float, 2 * I * mlp_cols)
   TAKE(act, float, I * mlp_cols)
   TAKE(router, float, m->experts * p.cols)
@@ -180,6 +279,7 @@ static Plan plan(const Model *m, int rows, int out_rows, float *base) {
   TAKE(expert_out, float, H * p.pair_cols)
   TAKE(head_in, float, H * p.out_cols)
   TAKE(logits_t, float, VOCAB_CHUNK * p.out_cols)
+  TAKE(few, float, 4 * (H > I ? (H > qw ? H : qw) : (I > qw ? I : qw)))
   TAKE(pair_row, int32_t, p.pair_cols)
   TAKE(pair_weight, float, p.pair_cols)
   TAKE(chosen, int32_t, (int64_t)rows * m->top_k)
@@ -214,6 +314,36 @@ static void swiglu(const float *mlp, float *act, int64_t I, int64_t ld, int64_t 
     const float *g = mlp + i * ld, *u = mlp + (I + i) * ld;
     float *a = act + i * ld;
     for (int64_t c = c0; c < c1; c++) a[c] = silu(g[c]) * u[c];
+  }
+}
+
+/* dst[f, c0 + j] = src[j][f] for j < n <= VW: rows into columns a vector-width block of rows at a time, so
+   that each feature's row of dst is written one cache line per block (a prefill's columns are thousands of
+   floats apart: a column at a time would touch a page per feature and per row) */
+static void rows_to_columns(float *dst, int64_t ld, int64_t c0, int n, const float *const *src, int64_t F) {
+  for (int64_t f = 0; f < F; f++) {
+    float *d = dst + f * ld + c0;
+    for (int j = 0; j < n; j++) d[j] = src[j][f];
+  }
+}
+
+/* the rows' embeddings and rotary tables, transposed into columns; padding columns are zeros */
+static void embed_columns(const Model *m, const Plan *p, int rows, const int64_t *ids, const int64_t *positions) {
+  const int64_t H = m->hidden, D = m->head_dim, cols = p->cols;
+  memset(p->h, 0, sizeof(float) * H * cols);
+  memset(p->cos, 0, sizeof(float) * D * cols);
+  memset(p->sin, 0, sizeof(float) * D * cols);
+  const float *e[VW], *cs[VW], *sn[VW];
+  for (int64_t c0 = 0; c0 < rows; c0 += VW) {
+    const int n = rows - c0 < VW ? (int)(rows - c0) : VW;
+    for (int j = 0; j < n; j++) {
+      e[j] = m->embed + ids[c0 + j] * H;
+      cs[j] = m->cos + positions[c0 + j] * D;
+      sn[j] = m->sin_signed + positions[c0 + j] * D;
+    }
+    rows_to_columns(p->h, cols, c0, n, e, H);
+    rows_to_columns(p->cos, cols, c0, n, cs, D);
+    rows_to_columns(p->sin, cols, c0, n, sn, D);
   }
 }
 
@@ -262,29 +392,28 @@ static void qk_norm_rotary_store(const Model *m, const Layer *L, const Plan *p, 
   }
 }
 
+/* each row's attention per K/V head (row layout, a vector-width block of rows at a time), then the block's
+   outputs transposed into the columns of p->attn */
 static void attention(const Model *m, const Layer *L, const Plan *p, int rows, const int64_t *positions,
                       const int64_t *slots) {
-  const int64_t D = m->head_dim, G = m->heads / m->kv_heads, S = m->max_seq_len, cols = p->cols;
-  float o[8 * 256] __attribute__((aligned(64)));
-  for (int64_t r = 0; r < rows; r++) {
-    const int64_t slot = slots ? slots[r] : r;
-    const int len = (int)positions[r] + 1;
-    for (int64_t h = 0; h < m->kv_heads; h++) {
-      const int64_t cache = (slot * m->kv_heads + h) * S * D;
-      const float *qr = p->q + r * m->heads * D + h * G * D;
-      for (int64_t g0 = 0; g0 < G; g0 += 8) {
-        const int gn = G - g0 < 8 ? (int)(G - g0) : 8;
-        switch (D) {
-          case 16: head(qr + g0 * D, L->keys + cache, L->values + cache, len, gn, 16, m->scaling, p->attn_scratch, o); break;
-          case 32: head(qr + g0 * D, L->keys + cache, L->values + cache, len, gn, 32, m->scaling, p->attn_scratch, o); break;
-          case 64: head(qr + g0 * D, L->keys + cache, L->values + cache, len, gn, 64, m->scaling, p->attn_scratch, o); break;
-          case 128: head(qr + g0 * D, L->keys + cache, L->values + cache, len, gn, 128, m->scaling, p->attn_scratch, o); break;
-          case 256: head(qr + g0 * D, L->keys + cache, L->values + cache, len, gn, 256, m->scaling, p->attn_scratch, o); break;
-        }
-        for (int g = 0; g < gn; g++)
-          for (int64_t d = 0; d < D; d++) p->attn[((h * G + g0 + g) * D + d) * cols + r] = o[g * D + d];
+  const int64_t D = m->head_dim, G = m->heads / m->kv_heads, S = m->max_seq_len, qw = m->heads * D;
+  const float *out_rows[VW];
+  for (int64_t c0 = 0; c0 < rows; c0 += VW) {
+    const int n = rows - c0 < VW ? (int)(rows - c0) : VW;
+    for (int j = 0; j < n; j++) {
+      const int64_t r = c0 + j, slot = slots ? slots[r] : r;
+      const int len = (int)positions[r] + 1;
+      float *o = p->attn_rows + j * qw;
+      for (int64_t h = 0; h < m->kv_heads; h++) {
+        const int64_t cache = (slot * m->kv_heads + h) * S * D;
+        const float *qr = p->q + r * qw + h * G * D;
+        for (int64_t g0 = 0; g0 < G; g0 += 8)
+          head(qr + g0 * D, L->keys + cache, L->values + cache, len, G - g0 < 8 ? (int)(G - g0) : 8, (int)D,
+               m->scaling, p->attn_scratch, o + (h * G + g0) * D);
       }
+      out_rows[j] = o;
     }
+    rows_to_columns(p->attn, p->cols, c0, n, out_rows, qw);
   }
 }
 
@@ -320,8 +449,9 @@ static void route(const Model *m, const Plan *p, int rows) {
 static void moe(const Model *m, const Layer *L, const Plan *p, int rows) {
   const int64_t E = m->experts, K = m->top_k, H = m->hidden, I = L->intermediate, cols = p->cols;
   const int64_t PC = p->pair_cols;
-  gemm(L->router, H, p->x, cols, p->router, cols, (int)E, (int)cols, (int)H, 0);
-  route(m, p, rows);
+  TIMED(T_GEMM, gemm(L->router, H, p->x, cols, p->router, cols, (int)E, rows, (int)cols, (int)H, 0, p->few));
+  TIMED(T_ROUTING, route(m, p, rows));
+  const double t0 = m->timings ? now_ns() : 0;
   int64_t count[1024], start[1025], fill[1024];
   for (int64_t e = 0; e < E; e++) count[e] = 0;
   for (int64_t i = 0; i < rows * K; i++) count[p->chosen[i]]++;
@@ -340,21 +470,28 @@ static void moe(const Model *m, const Layer *L, const Plan *p, int rows) {
     float *dst = p->gathered + f * PC;
     for (int64_t c = 0; c < start[E]; c++) dst[c] = p->pair_row[c] >= 0 ? src[p->pair_row[c]] : 0.f;
   }
+  if (m->timings) m->timings[T_ROUTING] += now_ns() - t0;
   for (int64_t e = 0; e < E; e++) {
     if (!count[e]) continue;
     const int64_t c0 = start[e], n = start[e + 1] - c0;
-    gemm(L->experts_gate_up + e * 2 * I * H, H, p->gathered + c0, PC, p->mlp + c0, PC, (int)(2 * I), (int)n, (int)H, 0);
-    swiglu(p->mlp, p->act, I, PC, c0, c0 + n);
-    gemm(L->experts_down + e * H * I, I, p->act + c0, PC, p->expert_out + c0, PC, (int)H, (int)n, (int)I, 0);
+    TIMED(T_GEMM, gemm(L->experts_gate_up + e * 2 * I * H, H, p->gathered + c0, PC, p->mlp + c0, PC,
+                       (int)(2 * I), (int)count[e], (int)n, (int)H, 0, p->few));
+    TIMED(T_ELEMENTWISE, swiglu(p->mlp, p->act, I, PC, c0, c0 + n));
+    TIMED(T_GEMM, gemm(L->experts_down + e * H * I, I, p->act + c0, PC, p->expert_out + c0, PC, (int)H,
+                       (int)count[e], (int)n, (int)I, 0, p->few));
   }
+  const double t1 = m->timings ? now_ns() : 0;
+  /* feature by feature (rows of the column-major buffers stay in cache; a prefill's columns are thousands
+     apart), each row's experts added in expert order as transformers' index_add_ does */
   memset(p->moe, 0, sizeof(float) * H * cols);
-  for (int64_t e = 0; e < E; e++)
-    for (int64_t c = start[e]; c < start[e] + count[e]; c++) {
-      const int64_t r = p->pair_row[c];
-      const float w = p->pair_weight[c];
-      for (int64_t f = 0; f < H; f++) p->moe[f * cols + r] += p->expert_out[f * PC + c] * w;
-    }
-  for (int64_t i = 0; i < H * cols; i += VW) VST(p->h + i, VLD(p->h + i) + VLD(p->moe + i));
+  for (int64_t f = 0; f < H; f++) {
+    float *out = p->moe + f * cols;
+    const float *y = p->expert_out + f * PC;
+    for (int64_t e = 0; e < E; e++)
+      for (int64_t c = start[e]; c < start[e] + count[e]; c++) out[p->pair_row[c]] += y[c] * p->pair_weight[c];
+  }
+  if (m->timings) m->timings[T_ROUTING] += now_ns() - t1;
+  TIMED(T_ELEMENTWISE, for (int64_t i = 0; i < H * cols; i += VW) VST(p->h + i, VLD(p->h + i) + VLD(p->moe + i)));
 }
 
 /* Floats of scratch memory a step of `rows` rows (logits for `out_rows` of them) needs. */
@@ -373,49 +510,36 @@ int tidal_forward_step(const Model *m, int rows, const int64_t *ids, const int64
   Plan p = plan(m, rows, out_rows, scratch);
   if (p.total > scratch_floats) return -2;
   const int64_t cols = p.cols;
-  /* embeddings and the rows' rotary tables, transposed into columns; padding columns are zeros */
-  memset(p.h, 0, sizeof(float) * H * cols);
-  memset(p.cos, 0, sizeof(float) * D * cols);
-  memset(p.sin, 0, sizeof(float) * D * cols);
-  for (int64_t r = 0; r < rows; r++) {
-    const float *e = m->embed + ids[r] * H;
-    for (int64_t f = 0; f < H; f++) p.h[f * cols + r] = e[f];
-    const float *cs = m->cos + positions[r] * D, *sn = m->sin_signed + positions[r] * D;
-    for (int64_t d = 0; d < D; d++) {
-      p.cos[d * cols + r] = cs[d];
-      p.sin[d * cols + r] = sn[d];
-    }
-  }
+  TIMED(T_ELEMENTWISE, embed_columns(m, &p, rows, ids, positions));
   const int64_t qkv = (m->heads + 2 * m->kv_heads) * D, qw = m->heads * D;
   for (int64_t l = 0; l < m->layers; l++) {
     const Layer *L = &m->layer[l];
-    rms_norm_columns(p.h, L->input_norm, p.x, H, cols, m->eps, p.inv);
-    gemm(L->qkv, H, p.x, cols, p.qkv, cols, (int)qkv, (int)cols, (int)H, 0);
-    qk_norm_rotary_store(m, L, &p, rows, positions, slots);
-    memset(p.attn, 0, sizeof(float) * qw * cols);
-    attention(m, L, &p, rows, positions, slots);
-    gemm(L->o_proj, qw, p.attn, cols, p.h, cols, (int)H, (int)cols, (int)qw, 1);
-    rms_norm_columns(p.h, L->post_norm, p.x, H, cols, m->eps, p.inv);
+    TIMED(T_ELEMENTWISE, rms_norm_columns(p.h, L->input_norm, p.x, H, cols, m->eps, p.inv));
+    TIMED(T_GEMM, gemm(L->qkv, H, p.x, cols, p.qkv, cols, (int)qkv, rows, (int)cols, (int)H, 0, p.few));
+    TIMED(T_QK_ROTARY_KV, qk_norm_rotary_store(m, L, &p, rows, positions, slots));
+    TIMED(T_ATTENTION, memset(p.attn, 0, sizeof(float) * qw * cols); attention(m, L, &p, rows, positions, slots));
+    TIMED(T_GEMM, gemm(L->o_proj, qw, p.attn, cols, p.h, cols, (int)H, rows, (int)cols, (int)qw, 1, p.few));
+    TIMED(T_ELEMENTWISE, rms_norm_columns(p.h, L->post_norm, p.x, H, cols, m->eps, p.inv));
     if (L->router) {
       moe(m, L, &p, rows);
     } else {
       const int64_t I = L->intermediate;
-      gemm(L->gate_up, H, p.x, cols, p.mlp, cols, (int)(2 * I), (int)cols, (int)H, 0);
-      swiglu(p.mlp, p.act, I, cols, 0, cols);
-      gemm(L->down, I, p.act, cols, p.h, cols, (int)H, (int)cols, (int)I, 1);
+      TIMED(T_GEMM, gemm(L->gate_up, H, p.x, cols, p.mlp, cols, (int)(2 * I), rows, (int)cols, (int)H, 0, p.few));
+      TIMED(T_ELEMENTWISE, swiglu(p.mlp, p.act, I, cols, 0, cols));
+      TIMED(T_GEMM, gemm(L->down, I, p.act, cols, p.h, cols, (int)H, rows, (int)cols, (int)I, 1, p.few));
     }
   }
   /* the final norm and the LM head, for the rows asked */
   const int64_t oc = p.out_cols;
-  memset(p.head_in, 0, sizeof(float) * H * oc);
-  for (int64_t f = 0; f < H; f++)
-    for (int64_t i = 0; i < out_rows; i++) p.head_in[f * oc + i] = p.h[f * cols + (out ? out[i] : i)];
-  rms_norm_columns(p.head_in, m->final_norm, p.head_in, H, oc, m->eps, p.inv);
+  TIMED(T_ELEMENTWISE, memset(p.head_in, 0, sizeof(float) * H * oc);
+        for (int64_t f = 0; f < H; f++) for (int64_t i = 0; i < out_rows; i++)
+            p.head_in[f * oc + i] = p.h[f * cols + (out ? out[i] : i)];
+        rms_norm_columns(p.head_in, m->final_norm, p.head_in, H, oc, m->eps, p.inv));
   for (int64_t v0 = 0; v0 < m->vocab; v0 += VOCAB_CHUNK) {
     const int64_t n = m->vocab - v0 < VOCAB_CHUNK ? m->vocab - v0 : VOCAB_CHUNK;
-    gemm(m->lm_head + v0 * H, H, p.head_in, oc, p.logits_t, oc, (int)n, (int)oc, (int)H, 0);
-    for (int64_t i = 0; i < out_rows; i++)
-      for (int64_t v = 0; v < n; v++) logits[i * m->vocab + v0 + v] = p.logits_t[v * oc + i];
+    TIMED(T_GEMM, gemm(m->lm_head + v0 * H, H, p.head_in, oc, p.logits_t, oc, (int)n, out_rows, (int)oc, (int)H, 0, p.few));
+    TIMED(T_ELEMENTWISE, for (int64_t i = 0; i < out_rows; i++) for (int64_t v = 0; v < n; v++)
+                             logits[i * m->vocab + v0 + v] = p.logits_t[v * oc + i]);
   }
   return 0;
 }
@@ -468,7 +592,12 @@ class _Model(ctypes.Structure):
         ("scaling", ctypes.c_float),
         *[(name, ctypes.c_void_p) for name in ("embed", "final_norm", "lm_head", "cos", "sin_signed")],
         ("layer", ctypes.POINTER(_Layer)),
+        ("timings", ctypes.POINTER(ctypes.c_double)),
     ]
+
+
+# the parts of a step that ``NativeStep.timings`` adds up (the C enum's order)
+TIMED_PARTS = ("gemm", "attention", "qk_norm_rotary_kv_write", "moe_routing", "elementwise")
 
 
 @cache
@@ -535,6 +664,13 @@ class NativeStep:
             layer=self._layers,
         )
         self.scratch = torch.zeros(0, dtype=torch.float32)
+        self.timings: torch.Tensor | None = None
+
+    def time_parts(self, on: bool = True) -> None:
+        """Add up nanoseconds per part of every later step in ``timings`` (TIMED_PARTS; the profiler's)."""
+        self.timings = torch.zeros(len(TIMED_PARTS), dtype=torch.float64) if on else None
+        ptr = ctypes.POINTER(ctypes.c_double)
+        self.model.timings = ctypes.cast(self.timings.data_ptr(), ptr) if on else ptr()
 
     def _bind(self) -> None:
         """Point the model description at the tensors as they are now (a woken storage may have moved)."""
