@@ -20,7 +20,13 @@ import zmq
 import zmq.asyncio
 
 from tidal.broker import protocol as proto
-from tidal.broker.client_support import MAX_UNACKED_BYTES, _BufferPool, _LocalFrames, _Unacked
+from tidal.broker.client_support import (
+    MAX_UNACKED_BYTES,
+    _BufferPool,
+    _LocalFrames,
+    _Unacked,
+    send_copies,
+)
 from tidal.broker.codec import decode_group, encode_group, lease_from_wire
 from tidal.broker.curve import CurveClientKeys
 from tidal.broker.types import Batch, Group, Lease
@@ -199,7 +205,7 @@ class AsyncBrokerClient:
             # With no connected peer (broker down, CURVE refused) a DEALER send waits: bound it too.
             async with asyncio.timeout(timeout):
                 await self._sock.send_multipart(
-                    [proto.encode_envelope(type_, rid, body), *frames], copy=False
+                    [proto.encode_envelope(type_, rid, body), *frames], copy=send_copies(frames)
                 )
         except TimeoutError:
             self._pending.pop(rid, None)
@@ -424,7 +430,9 @@ class BrokerClient:
         # With no connected peer (broker down, CURVE refused) a DEALER send waits: bound it too.
         self._sock.sndtimeo = -1 if timeout is None else max(1, int(timeout * 1000))
         try:
-            self._sock.send_multipart([proto.encode_envelope(type_, rid, body), *frames], copy=False)
+            self._sock.send_multipart(
+                [proto.encode_envelope(type_, rid, body), *frames], copy=send_copies(frames)
+            )
         except zmq.Again:
             raise BrokerTimeout(_timeout_msg(type_, self.address, timeout)) from None
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -41,6 +41,19 @@ class _BufferPool:
                 held += len(base)
 
 
+# A message whose group frames are all at most this big is copied into ZeroMQ's memory when sent; a
+# larger one goes by reference. By reference, pyzmq's garbage-collector thread is woken to release each
+# frame once sent, which cost more than copying small frames: a producer of 8-sample groups of 1K-token
+# samples (~100 KB frames) spent 19.7 us of CPU per sample by reference, 16.2 copying; with 8K tokens
+# (~800 KB) copying cost 61 against 41.
+SEND_COPY_MAX_BYTES = 256 << 10
+
+
+def send_copies(frames: Any) -> bool:
+    """Whether a message with these group frames is better copied than sent by reference."""
+    return all(len(f) <= SEND_COPY_MAX_BYTES for f in frames)
+
+
 # Group frames a client may have sent and not yet seen acknowledged (the producer's window).
 MAX_UNACKED_BYTES = 128 << 20
 
