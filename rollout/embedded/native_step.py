@@ -205,7 +205,7 @@ typedef struct {
 } Layer;
 
 typedef struct {
-  int64_t layers, hidden, heads, kv_heads, head_dim, experts, top_k, norm_topk, vocab, max_seq_len;
+  int64_t layers, hidden, heads, kv_heads, head_dim, experts, top_k, norm_topk, vocab, max_seq_len, slots;
   float eps, scaling;
   const float *embed, *final_norm, *lm_head, *cos, *sin_signed; /* rotary tables [max_seq_len, D] */
   const Layer *layer;
@@ -500,7 +500,8 @@ int64_t tidal_step_scratch_floats(const Model *m, int rows, int out_rows) { retu
 /* One forward step: rows r = 0..rows-1 hold token ids[r] at positions[r] of KV slot slots[r] (slots NULL:
    slot r). Every row's key and value are written first, then each row attends its slot's keys
    0..positions[r] (a prefill passes a prompt's tokens as rows of one slot). Logits of rows out[i]
-   (out NULL: every row) go to logits[i, :vocab]. Returns 0, or -1 for a shape it does not handle. */
+   (out NULL: every row) go to logits[i, :vocab]. Returns 0; or -1 for a shape it does not handle, -2 for
+   too little scratch, -3..-6 for a token id, position, slot or output row out of range. */
 int tidal_forward_step(const Model *m, int rows, const int64_t *ids, const int64_t *positions,
                        const int64_t *slots, int out_rows, const int64_t *out, float *logits,
                        float *scratch, int64_t scratch_floats) {
@@ -509,6 +510,13 @@ int tidal_forward_step(const Model *m, int rows, const int64_t *ids, const int64
   if (m->experts > 1024 || m->heads % m->kv_heads) return -1;
   Plan p = plan(m, rows, out_rows, scratch);
   if (p.total > scratch_floats) return -2;
+  for (int r = 0; r < rows; r++) {
+    if (ids[r] < 0 || ids[r] >= m->vocab) return -3;
+    if (positions[r] < 0 || positions[r] >= m->max_seq_len) return -4;
+    if (slots ? slots[r] < 0 || slots[r] >= m->slots : r >= m->slots) return -5;
+  }
+  for (int i = 0; out && i < out_rows; i++)
+    if (out[i] < 0 || out[i] >= rows) return -6;
   const int64_t cols = p.cols;
   TIMED(T_ELEMENTWISE, embed_columns(m, &p, rows, ids, positions));
   const int64_t qkv = (m->heads + 2 * m->kv_heads) * D, qw = m->heads * D;
@@ -586,6 +594,7 @@ class _Model(ctypes.Structure):
                 "norm_topk",
                 "vocab",
                 "max_seq_len",
+                "slots",
             )
         ],
         ("eps", ctypes.c_float),
@@ -659,6 +668,7 @@ class NativeStep:
             norm_topk=int(bool(decoder.norm_topk_prob)),
             vocab=decoder.lm_head.shape[0],
             max_seq_len=decoder.pool.max_seq_len,
+            slots=decoder.pool.num_slots,
             eps=decoder.eps,
             scaling=decoder.scaling,
             layer=self._layers,
@@ -730,8 +740,18 @@ class NativeStep:
             self.scratch.numel(),
         )
         if status != 0:
-            raise RuntimeError(f"native step refused its arguments (status {status})")
+            raise ValueError(f"native step: {_REFUSED.get(status, f'status {status}')}")
         return logits
+
+
+_REFUSED = {
+    -1: "a model shape it does not handle",
+    -2: "too little scratch memory",
+    -3: "a token id outside the vocabulary",
+    -4: "a position outside the KV pool's max_seq_len",
+    -5: "a KV slot outside the pool",
+    -6: "an output row outside the step's rows",
+}
 
 
 def _int64(t: torch.Tensor) -> torch.Tensor:

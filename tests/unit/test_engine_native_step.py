@@ -168,3 +168,22 @@ def test_loading_the_step_library_leaves_the_processs_floating_point_mode_alone(
     assert native_step.load()[0] is not None
     assert 5e-324 * 1.0 > 0.0
     assert float(torch.tensor([1e-40], dtype=torch.float32) * 1.0) > 0.0
+
+
+@needs_native
+def test_native_step_refuses_rows_outside_the_model_or_the_pool():
+    native, _ = decoder_pair("qwen3", seed=7, slots=2, max_len=8)
+    step = native.native_step
+    ok_ids, ok_pos = torch.tensor([1, 2]), torch.tensor([0, 3])
+    cases = [
+        (dict(ids=torch.tensor([1, 96]), positions=ok_pos), "token id outside the vocabulary"),
+        (dict(ids=ok_ids, positions=torch.tensor([0, 8])), "position outside"),
+        (dict(ids=ok_ids, positions=ok_pos, slots=torch.tensor([0, 2])), "KV slot outside the pool"),
+        (dict(ids=torch.tensor([1, 2, 3]), positions=torch.tensor([0, 1, 2])), "KV slot outside the pool"),
+        (dict(ids=ok_ids, positions=ok_pos, out_rows=torch.tensor([2])), "output row outside"),
+    ]
+    with torch.inference_mode():
+        for kwargs, message in cases:
+            with pytest.raises(ValueError, match=message):
+                step(**kwargs)
+        assert step(ok_ids, ok_pos).shape == (2, 96)
