@@ -120,6 +120,18 @@ def matmul_rate_gmacs(rows: int, hidden: int, repeats: int) -> float:
     return rows * hidden * 4 * hidden / statistics.median(times) / 1e6
 
 
+def native_matmul_rate_gmacs(lib, rows: int, hidden: int, repeats: int) -> float:
+    """The native step's GEMM on the same shape (activations feature-major, as the step keeps them)."""
+    cols = -(-rows // 16) * 16
+    w, xt = torch.randn(4 * hidden, hidden), torch.zeros(hidden, cols)
+    xt[:, :rows] = torch.randn(hidden, rows)
+    out, xs = torch.empty(4 * hidden, cols), torch.empty(4 * hidden)
+    args = (w.data_ptr(), xt.data_ptr(), out.data_ptr(), 4 * hidden, rows, cols, hidden, xs.data_ptr())
+    calls = 50
+    times = [cpu_ms(lambda: lib.tidal_gemm(*args), calls) for _ in range(repeats)]
+    return rows * hidden * 4 * hidden / statistics.median(times) / 1e6
+
+
 def step_macs(cfg, batch: int, context: int) -> tuple[float, float]:
     """Multiply-accumulates of one decode step: (GEMMs over the weights, attention over the cache)."""
     head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
@@ -243,6 +255,9 @@ def main() -> None:
     }
     step = {k: statistics.median(v) for k, v in rounds.items()}
     rate = matmul_rate_gmacs(a.batch, cfg.hidden_size, a.repeats)
+    native_rate = None
+    if lean.native_step is not None:
+        native_rate = native_matmul_rate_gmacs(lean.native_step.lib, a.batch, cfg.hidden_size, a.repeats)
     gemm_macs, attention_macs = step_macs(cfg, a.batch, context)
     kv_bytes = (
         2
@@ -257,11 +272,15 @@ def main() -> None:
         "GEMMs at the measured matmul rate": gemm_macs / rate / 1e6,
         "attention MACs at the same rate": attention_macs / rate / 1e6,
     }
+    if native_rate is not None:
+        floor["GEMMs at the native step's matmul rate"] = gemm_macs / native_rate / 1e6
     print(
         f"batch {a.batch}, context {context}, {a.threads} thread(s); engine step: {lean.step}; "
         f"attention: {lean.attention}\n"
         f"logits max |engine - transformers| "
-        f"{max_diff:.1e}; matmul rate {rate:.1f} GMAC/s; KV read per step {kv_bytes / 1e6:.1f} MB"
+        f"{max_diff:.1e}; matmul rate {rate:.1f} GMAC/s (torch)"
+        + (f", {native_rate:.1f} GMAC/s (native step)" if native_rate else "")
+        + f"; KV read per step {kv_bytes / 1e6:.1f} MB"
     )
     print(
         f"step (CPU ms, median of {a.repeats}): engine {step['engine']:.3f} | transformers forward "
@@ -305,6 +324,7 @@ def main() -> None:
             "profiled_split_ms": splits,
             "scaled_split_ms": scaled,
             "matmul_gmac_s": rate,
+            "native_matmul_gmac_s": native_rate,
             "floor_ms": floor,
             "kv_bytes_per_step": kv_bytes,
             "logits_max_abs_diff": max_diff,

@@ -494,6 +494,11 @@ static void moe(const Model *m, const Layer *L, const Plan *p, int rows) {
   TIMED(T_ELEMENTWISE, for (int64_t i = 0; i < H * cols; i += VW) VST(p->h + i, VLD(p->h + i) + VLD(p->moe + i)));
 }
 
+/* C[N, cols] = A[N, K] @ B[K, cols] as the step runs its projections (the benchmarks' GEMM rate) */
+void tidal_gemm(const float *A, const float *B, float *C, int N, int rows, int cols, int K, float *xs) {
+  gemm(A, K, B, cols, C, cols, N, rows, cols, K, 0, xs);
+}
+
 /* Floats of scratch memory a step of `rows` rows (logits for `out_rows` of them) needs. */
 int64_t tidal_step_scratch_floats(const Model *m, int rows, int out_rows) { return plan(m, rows, out_rows, NULL).total; }
 
@@ -620,6 +625,8 @@ def load(isa: str | None = None) -> tuple[ctypes.CDLL | None, str]:
     lib.tidal_forward_step.restype = ctypes.c_int
     lib.tidal_step_scratch_floats.argtypes = [ptr, i32, i32]
     lib.tidal_step_scratch_floats.restype = ctypes.c_int64
+    lib.tidal_gemm.argtypes = [ptr, ptr, ptr, i32, i32, i32, i32, ptr]
+    lib.tidal_gemm.restype = None
     return lib, how
 
 
