@@ -44,7 +44,9 @@ def reference_attention(q, keys, values, lengths, scaling):
 
 @needs_kernel
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "dim"), [(4, 2, 16), (4, 2, 32), (8, 8, 64), (8, 2, 128), (2, 1, 256)]
+    ("heads", "kv_heads", "dim"),
+    # groups of 2, 1, 4, 2; 3 (no code of its own: one head at a time); 16 (two calls of eight heads)
+    [(4, 2, 16), (4, 2, 32), (8, 8, 64), (8, 2, 128), (2, 1, 256), (6, 2, 32), (16, 1, 64)],
 )
 def test_native_decode_attention_matches_reference_for_any_row_lengths(heads, kv_heads, dim):
     gen = torch.Generator().manual_seed(dim + heads)
