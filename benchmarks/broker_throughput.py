@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import shutil
 import statistics
 import sys
@@ -85,6 +86,51 @@ def raw_frame(arrays: dict[str, np.ndarray]) -> bytes:
     )
 
 
+# ------------------------------------------------------------------------------------- host counters
+def host_cpu() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole host so far, all cores (/proc/stat)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    total = sum(fields[:8])  # guest time is already counted in user
+    tick = os.sysconf("SC_CLK_TCK")
+    return (total - idle) / tick, total / tick
+
+
+def disk_bytes(path: Path) -> tuple[int, int]:
+    """(read, written) bytes so far of the block device holding ``path`` (/proc/diskstats; 0 where the
+    device is not listed, e.g. tmpfs)."""
+    dev = os.stat(path).st_dev
+    for line in Path("/proc/diskstats").read_text().splitlines():
+        f = line.split()
+        if (int(f[0]), int(f[1])) == (os.major(dev), os.minor(dev)):
+            return int(f[5]) * 512, int(f[9]) * 512
+    return 0, 0
+
+
+class HostWindow:
+    """What the host did during one run: cores busy (everything, not only this run's processes), and the
+    journal device's read and write rates. With both cores busy a run is CPU-bound; otherwise its
+    processes wait (for each other, or for the device)."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.cpu0, self.disk0, self.t0 = host_cpu(), disk_bytes(workdir), time.perf_counter()
+
+    def stop(self) -> None:
+        self.cpu1, self.disk1, self.t1 = host_cpu(), disk_bytes(self.workdir), time.perf_counter()
+
+    def result(self, own_cpu_s: float) -> dict[str, float]:
+        """Cores busy on the host and used by this run's processes (``own_cpu_s``), disk MB/s."""
+        elapsed = self.t1 - self.t0
+        return {
+            "host_busy_cores": round((self.cpu1[0] - self.cpu0[0]) / elapsed, 2),
+            "run_cores": round(own_cpu_s / elapsed, 2),
+            "host_cores": round((self.cpu1[1] - self.cpu0[1]) / elapsed, 2),
+            "disk_read_mb_s": round((self.disk1[0] - self.disk0[0]) / elapsed / 1e6, 1),
+            "disk_write_mb_s": round((self.disk1[1] - self.disk0[1]) / elapsed / 1e6, 1),
+        }
+
+
 # ------------------------------------------------------------------------------------------- raw pyzmq
 def _zmq_producer(address: str, tokens: int, n: int, go, cpu) -> None:
     ctx = zmq.Context()
@@ -100,7 +146,7 @@ def _zmq_producer(address: str, tokens: int, n: int, go, cpu) -> None:
     cpu.put(time.process_time() - c0)
 
 
-def run_zmq(tokens: int, n: int) -> tuple[float, int, dict[str, float]]:
+def run_zmq(tokens: int, n: int, workdir: Path) -> tuple[float, int, dict[str, float], dict[str, float]]:
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.setsockopt(zmq.RCVTIMEO, int(BATCH_WAIT_S * 1000))  # a producer died: zmq.Again, not a hang
@@ -113,6 +159,7 @@ def run_zmq(tokens: int, n: int) -> tuple[float, int, dict[str, float]]:
     for p in procs:
         p.start()
     time.sleep(0.5)
+    window = HostWindow(workdir)
     go.set()
     t0, c0 = time.perf_counter(), time.process_time()
     got = n // PRODUCERS * PRODUCERS
@@ -120,12 +167,13 @@ def run_zmq(tokens: int, n: int) -> tuple[float, int, dict[str, float]]:
         frame = pull.recv(copy=False)
         msgpack.unpackb(frame.buffer)
     elapsed, consumer = time.perf_counter() - t0, time.process_time() - c0
+    window.stop()
     producers = sum(cpu.get() for _ in procs)
     for p in procs:
         p.join()
     pull.close(0)
     ctx.term()
-    return elapsed, got, {"producers": producers, "consumer": consumer}
+    return elapsed, got, {"producers": producers, "consumer": consumer}, window.result(producers + consumer)
 
 
 # ---------------------------------------------------------------------------------------------- broker
@@ -234,7 +282,7 @@ class BrokerOptions:
 
 def run_broker(
     tokens: int, n: int, workdir: Path, opts: BrokerOptions
-) -> tuple[float, int, dict[str, float]]:
+) -> tuple[float, int, dict[str, float], dict[str, float]]:
     groups_total = n // opts.group_size
     per_producer = groups_total // PRODUCERS
     batch_groups = max(1, min(opts.batch_groups, per_producer))
@@ -275,6 +323,7 @@ def run_broker(
             time.sleep(0.5)
             broker0 = cpu_seconds(proc.pid)
             threads0 = thread_cpu_seconds(proc.pid)
+            window = HostWindow(run_dir)
             go.set()
             t0, c0 = time.perf_counter(), time.process_time()
             groups_left = per_producer * PRODUCERS
@@ -294,6 +343,7 @@ def run_broker(
                     trainer.publish_version(batch.batch_id + 1, wait=wait)
                 trainer.report_consumed(batch.batch_id, wait=wait)
             elapsed, consumer = time.perf_counter() - t0, time.process_time() - c0
+            window.stop()
             broker = cpu_seconds(proc.pid) - broker0
             threads = thread_cpu_seconds(proc.pid)
             # By thread: ZeroMQ's I/O thread (receiving group frames), the event loop ("python"), the
@@ -310,7 +360,8 @@ def run_broker(
         producers = sum(cpu.get() for _ in procs)
         for p in procs:
             p.join()
-        return elapsed, received, {"producers": producers, "broker": broker, "consumer": consumer}
+        cpu_s = {"producers": producers, "broker": broker, "consumer": consumer}
+        return elapsed, received, cpu_s, window.result(sum(cpu_s.values()))
     finally:
         for p in procs:
             if p.is_alive():
@@ -511,10 +562,11 @@ def run_all(
             for method in methods:
                 n = count_for(method, tokens, args.seconds, guess)
                 cpu: dict[str, float] = {}
+                host: dict[str, float] = {}
                 if method == "zmq":
-                    elapsed, got, cpu = run_zmq(tokens, n)
+                    elapsed, got, cpu, host = run_zmq(tokens, n, workdir)
                 elif method == "broker":
-                    elapsed, got, cpu = run_broker(tokens, n, workdir, opts)
+                    elapsed, got, cpu, host = run_broker(tokens, n, workdir, opts)
                 elif method == "ray_deque":
                     elapsed, got = run_ray_deque(tokens, n), n // PRODUCERS * PRODUCERS
                 else:
@@ -528,12 +580,20 @@ def run_all(
                         "samples_per_s": rate,
                         "mb_per_s": rate * sample_bytes(tokens) / 1e6,
                         "cpu_us_per_sample": cpu_us,
+                        "host": host,
                     }
                 )
                 shown = " ".join(f"{k} {v:.1f}" for k, v in cpu_us.items())
                 print(
                     f"  {tokens:>6} tokens  {method:<10} rep {rep}: {rate:>10.0f} samples/s"
-                    + (f"   CPU us/sample: {shown} (total {sum(cpu_us.values()):.1f})" if cpu_us else ""),
+                    + (f"   CPU us/sample: {shown} (total {sum(cpu_us.values()):.1f})" if cpu_us else "")
+                    + (
+                        f"; cores busy: host {host['host_busy_cores']} of {host['host_cores']}, this run"
+                        f" {host['run_cores']}; disk MB/s read {host['disk_read_mb_s']} written"
+                        f" {host['disk_write_mb_s']}"
+                        if host
+                        else ""
+                    ),
                     file=sys.stderr,
                 )
     return results
