@@ -19,26 +19,39 @@ BUFFER_POOL_BYTES = 256 << 20
 
 class _BufferPool:
     """Reusable memory for encoding group frames. A buffer comes back only once the broker has answered
-    the submit that carried it: the broker then holds every byte, so nothing still reads it."""
+    the submit that carried it: the broker then holds every byte, so nothing still reads it.
+
+    Buffers are kept by size (sizes are rounded, so a run's groups share a few), and taking or giving
+    one costs the same however many are kept (it once scanned them all, per group submitted)."""
 
     def __init__(self, max_bytes: int = BUFFER_POOL_BYTES):
         self.max_bytes = max_bytes
-        self.free: list[np.ndarray] = []
+        self.free: dict[int, list[np.ndarray]] = {}  # by size
+        self.held = 0  # bytes in ``free``
+
+    @staticmethod
+    def size_for(nbytes: int) -> int:
+        step = max(4096, 1 << max(0, nbytes.bit_length() - 4))  # round up by 1/16: sizes vary a little
+        return -(-nbytes // step) * step
 
     def take(self, nbytes: int) -> np.ndarray:
-        fits = [i for i, b in enumerate(self.free) if len(b) >= nbytes]
-        if fits:
-            return self.free.pop(min(fits, key=lambda i: len(self.free[i])))
-        step = max(4096, 1 << max(0, nbytes.bit_length() - 4))  # round up by 1/16: sizes vary a little
-        return np.empty(-(-nbytes // step) * step, np.uint8)
+        size = self.size_for(nbytes)
+        kept = self.free.get(size)
+        if not kept:  # the smallest larger size kept, if any
+            larger = [s for s, bs in self.free.items() if s > size and bs]
+            kept = self.free[min(larger)] if larger else None
+        if kept:
+            b = kept.pop()
+            self.held -= len(b)
+            return b
+        return np.empty(size, np.uint8)
 
     def give(self, buffers: list[np.ndarray]) -> None:
-        held = sum(len(b) for b in self.free)
         for b in buffers:
             base = b.base if isinstance(b.base, np.ndarray) else b
-            if held + len(base) <= self.max_bytes:
-                self.free.append(base)
-                held += len(base)
+            if self.held + len(base) <= self.max_bytes:
+                self.free.setdefault(len(base), []).append(base)
+                self.held += len(base)
 
 
 # A message whose group frames are all at most this big is copied into ZeroMQ's memory when sent; a

@@ -193,3 +193,18 @@ def test_encoding_into_a_supplied_buffer_gives_the_same_frame_and_the_pool_reuse
     assert np.shares_memory(frame, dirty)
     pool.give([frame])
     assert np.shares_memory(encode_group(g, pool.take), dirty)  # the same memory comes back
+
+
+def test_the_buffer_pool_keeps_buffers_by_size_within_its_limit():
+    from tidal.broker.client import _BufferPool
+
+    pool = _BufferPool(max_bytes=1 << 20)
+    small, large = pool.take(10_000), pool.take(300_000)
+    assert len(small) >= 10_000 and len(large) >= 300_000
+    pool.give([small, large])
+    assert pool.held == len(small) + len(large)
+    assert pool.take(10_000) is small  # its own size first
+    assert pool.take(9_000) is large  # none of that size left: the smallest larger one
+    assert pool.held == 0
+    pool.give([np.empty(2 << 20, np.uint8)])  # over the limit: not kept
+    assert pool.held == 0
