@@ -610,6 +610,8 @@ class _Model(ctypes.Structure):
     ]
 
 
+# scratch memory kept between steps (64 MiB); a step that needs more allocates its own for that call
+KEPT_SCRATCH_FLOATS = 16 << 20
 # the parts of a step that ``NativeStep.timings`` adds up (the C enum's order)
 TIMED_PARTS = ("gemm", "attention", "qk_norm_rotary_kv_write", "moe_routing", "elementwise")
 
@@ -680,7 +682,7 @@ class NativeStep:
             scaling=decoder.scaling,
             layer=self._layers,
         )
-        self.scratch = torch.zeros(0, dtype=torch.float32)
+        self.scratch = torch.empty(0, dtype=torch.float32)
         self.timings: torch.Tensor | None = None
 
     def time_parts(self, on: bool = True) -> None:
@@ -731,8 +733,13 @@ class NativeStep:
         self._bind()
         model = ctypes.byref(self.model)
         need = self.lib.tidal_step_scratch_floats(model, rows, n_out)
-        if self.scratch.numel() < need:
-            self.scratch = torch.zeros(need, dtype=torch.float32)
+        scratch = self.scratch
+        if scratch.numel() < need:
+            # every buffer is written before it is read (padding columns included), so no zeroing; a step
+            # larger than KEPT_SCRATCH_FLOATS (a big model's long prefill) gets memory of its own, freed after
+            scratch = torch.empty(need, dtype=torch.float32)
+            if need <= KEPT_SCRATCH_FLOATS:
+                self.scratch = scratch
         logits = torch.empty(n_out, self.model.vocab, dtype=torch.float32)
         status = self.lib.tidal_forward_step(
             model,
@@ -743,8 +750,8 @@ class NativeStep:
             n_out,
             None if out_rows is None else out_rows.data_ptr(),
             logits.data_ptr(),
-            self.scratch.data_ptr(),
-            self.scratch.numel(),
+            scratch.data_ptr(),
+            scratch.numel(),
         )
         if status != 0:
             raise ValueError(f"native step: {_REFUSED.get(status, f'status {status}')}")

@@ -187,3 +187,22 @@ def test_native_step_refuses_rows_outside_the_model_or_the_pool():
             with pytest.raises(ValueError, match=message):
                 step(**kwargs)
         assert step(ok_ids, ok_pos).shape == (2, 96)
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [3, 21])
+def test_native_step_reads_no_scratch_it_did_not_write(rows):
+    """The scratch memory is reused without zeroing (padding columns included): filled with NaN between
+    steps, the next step's logits are unchanged (the dot-product path for few rows, the tiles for more)."""
+    native, _ = decoder_pair("qwen3_moe", seed=8, slots=24, max_len=16)
+    gen = torch.Generator().manual_seed(3)
+    ids, positions = (
+        torch.randint(0, 96, (rows,), generator=gen),
+        torch.randint(0, 15, (rows,), generator=gen),
+    )
+    with torch.inference_mode():
+        first = native(ids, positions, 16, masked=True)
+        native.native_step.scratch.fill_(float("nan"))
+        again = native(ids, positions, 16, masked=True)
+    assert torch.isfinite(first).all()
+    torch.testing.assert_close(again, first, atol=0, rtol=0)
