@@ -58,6 +58,10 @@ class GroupedRows:
     def numel(self) -> int:
         return self.grouped.numel()
 
+    @property
+    def nbytes(self) -> int:
+        return self.grouped.nbytes
+
     def element_size(self) -> int:
         return self.grouped.element_size()
 
@@ -90,19 +94,20 @@ def pack(
     device = named_tensors[0][1].device
     buf = out[:total] if out is not None else torch.empty(total, dtype=torch.uint8, device=device)
     offset = 0
-    for _, t in named_tensors:
-        n = t.numel() * t.element_size()
-        if offset % t.element_size():
-            raise ValueError(
-                f"unaligned tensor at byte {offset} for dtype {t.dtype}: keep buckets dtype-homogeneous"
-            )
-        # copy straight from (possibly strided) views into the bucket: no intermediate contiguous copy
-        dst = buf[offset : offset + n].view(t.dtype)
-        if isinstance(t, GroupedRows):
-            dst.view(t.grouped.shape).copy_(t.grouped.detach())
-        else:
-            dst.view(t.shape).copy_(t.detach())
-        offset += n
+    with torch.no_grad():  # copies from parameters: no autograd record (and no per-tensor detach)
+        for _, t in named_tensors:
+            n = t.nbytes
+            if offset % t.dtype.itemsize:
+                raise ValueError(
+                    f"unaligned tensor at byte {offset} for dtype {t.dtype}: keep buckets dtype-homogeneous"
+                )
+            # copy straight from (possibly strided) views into the bucket: no intermediate contiguous copy
+            dst = buf[offset : offset + n].view(t.dtype)
+            if isinstance(t, GroupedRows):
+                dst.view(t.grouped.shape).copy_(t.grouped)
+            else:
+                dst.view(t.shape).copy_(t)
+            offset += n
     return buf, spec
 
 

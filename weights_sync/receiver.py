@@ -27,7 +27,6 @@ engine's ``/tidal/stats``).
 from __future__ import annotations
 
 import contextlib
-import itertools
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -245,9 +244,9 @@ class WeightReceiver:
         spec = _spec(names, dtypes, shapes)
         nbytes = spec.nbytes  # raises ValueError naming a bad dtype or shape before any receive
         runs = _runs(segments, len(spec.names))
-        # the announced tensors as views of a buffer without storage: checks alignment, gives offsets
-        shaped = bucket.unpack(torch.empty(nbytes, dtype=torch.uint8, device="meta"), spec)
-        offsets = list(itertools.accumulate((t.numel() * t.element_size() for _, t in shaped), initial=0))
+        # by arithmetic, not views: this runs per tensor before the receives are posted
+        dtypes_ = [bucket._dtype(d) for d in spec.dtypes]
+        offsets = _offsets(spec, dtypes_)
         state = self._state(group_name)
         with self._turn(state, group_name, seq) as seq:
             # our turn: the other handlers wait for next_seq, which moves once our receives are posted
@@ -260,7 +259,9 @@ class WeightReceiver:
                 if target is not None and checksum is None:
                     device = torch.empty(0, device=self.device).device
                     for r, (first, end) in enumerate(runs):
-                        dsts[r] = _in_place(target, shaped[first:end], device)
+                        dsts[r] = _in_place(
+                            target, spec.names[first:end], spec.shapes[first:end], dtypes_[first:end], device
+                        )
                 in_place = sum(
                     offsets[end] - offsets[first]
                     for (first, end), dst in zip(runs, dsts, strict=True)
@@ -409,17 +410,32 @@ def _runs(segments: list[int] | None, n: int) -> list[tuple[int, int]]:
     return list(zip(bounds, bounds[1:], strict=False))
 
 
+def _offsets(spec: bucket.BucketSpec, dtypes: list[torch.dtype]) -> list[int]:
+    """Each announced tensor's byte offset in the bucket, and the bucket's size last; raises ValueError
+    for a tensor that would not be aligned to its dtype."""
+    offsets = [0]
+    for name, dtype, shape in zip(spec.names, dtypes, spec.shapes, strict=True):
+        if offsets[-1] % dtype.itemsize:
+            raise ValueError(f"unaligned tensor {name} at byte {offsets[-1]} for dtype {dtype}")
+        offsets.append(offsets[-1] + bucket._numel(shape) * dtype.itemsize)
+    return offsets
+
+
 def _in_place(
-    target: Target, views: list[tuple[str, torch.Tensor]], device: torch.device
+    target: Target,
+    names: list[str],
+    shapes: list[list[int]],
+    dtypes: list[torch.dtype],
+    device: torch.device,
 ) -> torch.Tensor | None:
-    """The bytes that the segment ``views`` (shapes and dtypes as announced) can be received into in place
-    on ``device``: its tensors' targets, if each takes its tensor as it is (same dtype, shape, device;
-    contiguous) and they lie back to back in one storage in the segment's order (as q/k/v or gate/up do
-    in a fused matrix); else None."""
+    """The bytes that a segment of tensors (names, shapes and dtypes as announced) can be received into in
+    place on ``device``: its tensors' targets, if each takes its tensor as it is (same dtype, shape,
+    device; contiguous) and they lie back to back in one storage in the segment's order (as q/k/v or
+    gate/up do in a fused matrix); else None."""
     targets = []
-    for name, view in views:
-        t = target(name, list(view.shape), view.dtype)
-        if t is None or t.dtype != view.dtype or t.shape != view.shape or t.device != device:
+    for name, shape, dtype in zip(names, shapes, dtypes, strict=True):
+        t = target(name, list(shape), dtype)
+        if t is None or t.dtype != dtype or list(t.shape) != list(shape) or t.device != device:
             return None
         if not t.is_contiguous():
             return None

@@ -14,7 +14,7 @@ from tidal.weights_sync import bucket, receiver
 
 
 def nbytes(t: bucket.Packable) -> int:
-    return t.numel() * t.element_size()
+    return t.nbytes
 
 
 def spec(items: list[tuple[str, bucket.Packable]]) -> bucket.BucketSpec:
@@ -35,32 +35,30 @@ def plan(
     if own_bytes is None:
         return [(None, items)]
     adjacent: list[list[tuple[str, bucket.Packable]]] = []  # runs of back-to-back tensors, or one packable
+    end = None  # (storage address, byte address) where the last contiguous tensor ends
     for name, t in items:
-        last = adjacent[-1] if adjacent else None
-        if (
-            last is not None
-            and isinstance(t, torch.Tensor)
-            and isinstance(last[-1][1], torch.Tensor)
-            and t.is_contiguous()
-            and last[-1][1].is_contiguous()
-            and receiver.byte_span([last[-1][1], t]) is not None
-        ) or (last is not None and same_grouped(last[-1][1], t)):
-            last.append((name, t))
+        contiguous = isinstance(t, torch.Tensor) and t.is_contiguous()
+        # address arithmetic, not byte_span: this runs per tensor, and a span tensor costs ~10 us
+        start = (t.untyped_storage().data_ptr(), t.data_ptr()) if contiguous else None
+        if adjacent and ((start is not None and start == end) or same_grouped(adjacent[-1][-1][1], t)):
+            adjacent[-1].append((name, t))
         else:
             adjacent.append([(name, t)])
+        end = (start[0], start[1] + t.nbytes) if start is not None else None
     loose: list[tuple[str, bucket.Packable]] = []  # small tensors: one packed broadcast, first
     runs: list[tuple[torch.Tensor | None, list[tuple[str, bucket.Packable]]]] = []
     for run in adjacent:
-        span = None
-        if all(isinstance(t, torch.Tensor) and t.is_contiguous() for _, t in run):
-            span = receiver.byte_span([t for _, t in run])
-        big = sum(nbytes(t) for _, t in run) >= own_bytes
-        if span is not None and big:
-            runs.append((span, run))
-        elif isinstance(run[0][1], bucket.GroupedRows) and big:
+        if sum(nbytes(t) for _, t in run) < own_bytes:
+            loose.extend(run)
+        elif isinstance(run[0][1], bucket.GroupedRows):
             # q/k/v of one fused QKV: packed (their rows interleave), but a segment of their own, which the
             # engine can receive straight into its own fused matrix
             runs.append((None, run))
+        elif (
+            all(isinstance(t, torch.Tensor) and t.is_contiguous() for _, t in run)
+            and (span := receiver.byte_span([t for _, t in run])) is not None
+        ):
+            runs.append((span, run))
         else:
             loose.extend(run)
     # the bucket's order is free: gathering the small tensors saves broadcasts (each costs thread hand-offs)

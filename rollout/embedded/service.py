@@ -189,10 +189,8 @@ class EmbeddedEngine:
             # received into the buffer and refused before anything is written
             if checksum is not None or not self.in_weight_update or self.scheduler.paused is None:
                 return None
-            try:
-                self.loader.check(
-                    [(n, torch.empty(s, device="meta")) for n, s in zip(names, shapes, strict=True)]
-                )
+            try:  # shapes only (no meta tensors: this runs per tensor before the receives are posted)
+                self.loader.check([(n, _Announced(s)) for n, s in zip(names, shapes, strict=True)])
             except Exception:  # noqa: BLE001 - the receive reports what is wrong with the announcement
                 return None
             return lambda name, shape, dtype: self.loader.resolve(name)
@@ -209,10 +207,9 @@ class EmbeddedEngine:
                 segments=segments,
                 target=in_place_target() if segments is not None else None,
             ) as received:
-                self.loader.check(received)
 
                 def load() -> None:
-                    self.loader.load(received)
+                    self.loader.load(received)  # checks every name and shape before it writes any
                     if weight_version is not None:
                         self.scheduler.set_version(weight_version)
 
@@ -238,6 +235,13 @@ class EmbeddedEngine:
 
 
 ENGINE_ERRORS = (BadRequest, WeightUpdateError, WeightLoadError)
+
+
+@dataclass
+class _Announced:
+    """An announced tensor's shape, as ``NamedTensorLoader.check`` reads it."""
+
+    shape: list[int]
 
 
 def _resolve(fut: asyncio.Future, req: Request) -> None:

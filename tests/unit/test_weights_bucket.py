@@ -107,3 +107,25 @@ def test_packable_qkv_packs_bitwise_like_the_unfused_copies():
     want, want_spec = bucket.pack(copies)
     got, got_spec = bucket.pack(packable, out=torch.empty(want.numel() + 64, dtype=torch.uint8))
     assert got_spec == want_spec and torch.equal(got, want)
+
+
+def test_segments_plan_sends_back_to_back_tensors_from_their_memory_and_packs_the_rest():
+    from tidal.weights_sync import segments
+
+    fused_fc1 = torch.randn(8, 1024)  # gate and up of one fc1, back to back, 16 KiB each
+    gate, up = fused_fc1[:4], fused_fc1[4:]
+    fused_qkv = torch.randn(2, 3, 1024)  # per group: q, k, v rows; q/k/v are strided views
+    q, k, v = (bucket.GroupedRows(fused_qkv[:, i : i + 1]) for i in range(3))
+    strided = torch.randn(1024, 8).t()  # 32 KiB, not contiguous: packed
+    items = [("norm", torch.randn(4)), ("gate", gate), ("up", up), ("q", q), ("k", k), ("v", v)]
+    items += [("strided", strided), ("alone", torch.randn(4096)), ("down", torch.randn(64))]
+    runs = segments.plan(items, own_bytes=16 << 10)
+    assert [(own is not None, [n for n, _ in run]) for own, run in runs] == [
+        (False, ["norm", "strided", "down"]),  # the small and the strided tensors first, packed together
+        (True, ["gate", "up"]),  # one broadcast from fc1's own memory
+        (False, ["q", "k", "v"]),  # packed, as a segment of their own
+        (True, ["alone"]),
+    ]
+    span = runs[1][0]
+    assert span.data_ptr() == fused_fc1.data_ptr() and span.numel() == fused_fc1.nbytes
+    assert segments.plan(items, own_bytes=None) == [(None, items)]
