@@ -47,6 +47,11 @@ class SyncReport:
     pack_s: float = 0.0
     transfer_s: float = 0.0
     wall_s: float = 0.0
+    # the fixed cost around the buckets (wall, from the first request until every engine answered):
+    # /pause_generation + /begin_weight_update (with one sender they run while the first bucket is
+    # gathered and packed) and /end_weight_update + /continue_generation
+    open_s: float = 0.0
+    close_s: float = 0.0
     # announcements allowed ahead of the replies: > 1 when every engine receives in bucket_seq order
     inflight: int = 0
     bucket_sizes: list[int] = field(default_factory=list)  # bytes of each bucket sent, in order
@@ -62,11 +67,33 @@ class _Failed(Exception):
     """An engine failed during this attempt (already dropped)."""
 
 
+@dataclass
+class _Calls:
+    """Control calls in flight to every engine (``begin`` or ``end``), by engine url."""
+
+    what: str
+    started: float
+    futures: dict[str, Future] = field(default_factory=dict)
+    ended: float = 0.0  # when the last of them finished
+
+    def add(self, url: str, future: Future) -> None:
+        self.futures[url] = future
+        future.add_done_callback(self._finished)
+
+    def _finished(self, _: Future) -> None:
+        self.ended = max(self.ended, time.perf_counter())
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures.values())
+
+
 class WeightSender:
     """One trainer rank's part in weight syncs to a set of engines.
 
     ``is_sender``: this rank sends its pipeline stage (tensor-, context- and data-parallel rank 0);
     ``coordinator``: this rank opens and closes the update on the engines (the first stage's sender).
+    ``stages``: pipeline stages, each with a sender; with one, the update is opened while the first bucket
+    is gathered and packed (with several, every sender waits behind a barrier until it is open).
     ``barrier`` / ``any_failed`` synchronise all trainer ranks (defaults: torch.distributed's default
     group when initialised, else single-process no-ops).
     """
@@ -77,6 +104,7 @@ class WeightSender:
         engines: list[EngineEndpoint],
         *,
         stage: int = 0,
+        stages: int = 1,
         is_sender: bool = True,
         coordinator: bool | None = None,
         backend: str = "gloo",
@@ -87,6 +115,7 @@ class WeightSender:
     ):
         self.config = config
         self.stage = stage
+        self.stages = stages
         self.is_sender = is_sender
         self.coordinator = is_sender and stage == 0 if coordinator is None else coordinator
         self.backend = backend
@@ -241,20 +270,30 @@ class WeightSender:
                 self._connect(report)
             except _Failed as exc:
                 failure = exc
+        opening: _Calls | None = None
         if self.coordinator and failure is None:
-            failure = self._on_all(report, "begin", self.pause_mode)
+            opening = self._start_on_all("begin")
+            if self.stages > 1:  # the other stages' senders announce once past the barrier: open first
+                failure, opening = self._settle_calls(opening, report), None
         self._barrier()
         if self.is_sender and failure is None and self._group is not None:
-            failure = self._stream(tensors, version, report)
+            failure = self._stream(tensors, version, report, opening)
         else:
+            if opening is not None:
+                failure = self._settle_calls(opening, report)
             _drain(tensors)
         self._barrier()
         if self.coordinator:
-            failure = failure or self._on_all(report, "end", self.pause_mode)
+            failure = failure or self._settle_calls(self._start_on_all("end"), report)
         if failure is not None:
             raise failure
 
-    def _on_all(self, report: SyncReport, what: str, pause_mode: str | None) -> _Failed | None:
+    def _start_on_all(self, what: str) -> _Calls:
+        """Open (``begin``: /pause_generation, then /begin_weight_update) or close (``end``:
+        /end_weight_update, then /continue_generation) the update on every engine, one thread per engine.
+        (Sending each pair at once measured no faster: an engine's event loop handles them one by one.)"""
+        pause_mode = self.pause_mode
+
         def call(client: EngineWeightsClient) -> None:
             if what == "begin":
                 if pause_mode:
@@ -265,16 +304,34 @@ class WeightSender:
                 if pause_mode:
                     client.resume()
 
-        futures = {u: self._pool.submit(call, c) for u, c in self._clients.items()}
-        failed = _settle(futures, self.config.timeout_s)
+        calls = _Calls(what, time.perf_counter())
+        for u, c in self._clients.items():
+            calls.add(u, self._pool.submit(call, c))
+        return calls
+
+    def _settle_calls(self, calls: _Calls, report: SyncReport) -> _Failed | None:
+        """Wait for ``calls``; drops the engines where one failed (or timed out)."""
+        failed = _settle(calls.futures, self.config.timeout_s)
+        elapsed = max(calls.ended, calls.started) - calls.started
+        if calls.what == "begin":
+            report.open_s += elapsed
+        else:
+            report.close_s += elapsed
         for u in failed:
             self._drop(u, report)
-        return _Failed(f"{what}_weight_update failed on {failed}") if failed else None
+        return _Failed(f"{calls.what}_weight_update failed on {failed}") if failed else None
 
     def _stream(
-        self, tensors: Iterable[tuple[str, torch.Tensor]], version: int, report: SyncReport
+        self,
+        tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        report: SyncReport,
+        opening: _Calls | None = None,
     ) -> _Failed | None:
         """Pack buckets here, broadcast them from a second thread; two staging buffers alternate.
+
+        ``opening``: the update's opening calls, still in flight: the first bucket is gathered and packed
+        meanwhile, and announced once they are answered.
 
         To engines that receive in ``bucket_seq`` order a bucket is announced as soon as it is packed,
         so each engine's handler is waiting in its receive when the broadcast starts, and loads bucket
@@ -315,6 +372,16 @@ class WeightSender:
                 max_bytes=self.config.segmented_bytes(self.backend),
             )
         it = iter(buckets)
+
+        def opened() -> bool:
+            """Whether the update is open on the engines (waits for the opening calls, once)."""
+            nonlocal opening
+            if opening is not None:
+                failure, opening = self._settle_calls(opening, report), None
+                if failure is not None:
+                    errors.append(failure)
+            return not errors
+
         try:
             for items in it:
                 if errors:
@@ -327,9 +394,12 @@ class WeightSender:
                 several = len(runs) > 1 or runs[0][0] is not None
                 counts = [len(run) for _, run in runs] if several else None
                 announced = None
-                if window > 1 and not self.config.verify_checksums:
+                early = opening is None or opening.done()  # else: pack while the update opens
+                if window > 1 and not self.config.verify_checksums and early:
                     # announced before packing: the engines post their receives meanwhile, so the
                     # broadcast finds them ready (a checksum can only be announced once packed)
+                    if not opened():
+                        break
                     announced = self._announce(group, spec, None, version, counts)
                 report.pack_s += time.perf_counter() - t0
                 need = sum(segments.nbytes(t) for own, run in runs if own is None for _, t in run)
@@ -357,12 +427,17 @@ class WeightSender:
                     packed = torch.cuda.Event()
                     packed.record(torch.cuda.current_stream(self.device))
                 report.pack_s += time.perf_counter() - t0
+                if not opened():
+                    if taken:
+                        free.put((staging, None))
+                    break
                 if window > 1 and announced is None:
                     announced = self._announce(group, spec, crc, version, counts)
                 _hand_over(ready, (taken, staging, payload, spec, crc, counts, announced, packed), sender)
         finally:
             _hand_over(ready, None, sender)
             sender.join()
+            opened()  # nothing to send (or a failure): the opening calls still finish
             self._staging = [free.get()[0] for _ in range(2)]
             if cuda:
                 torch.cuda.synchronize(self.device)

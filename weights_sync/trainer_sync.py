@@ -59,6 +59,7 @@ class TrainerWeightSync:
                 config,
                 engines,
                 stage=ps.get_pipeline_model_parallel_rank(),
+                stages=ps.get_pipeline_model_parallel_world_size(),
                 is_sender=is_sender,
                 backend="nccl" if cuda else "gloo",
                 master_address=config.master_address or _host_address(),

@@ -8,6 +8,7 @@ in this process as a one-rank trainer.
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 
 import httpx
@@ -125,6 +126,45 @@ def test_a_joining_engine_gets_everything_at_the_next_sync(receivers, checkpoint
             assert all(torch.equal(got[n], t) for n, t in changed.items())
             assert _stats(url)["version"] == "8"
             assert len(_stats(url)["groups"]) == 1  # the old group was replaced, not leaked
+    finally:
+        sender.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages", [1, 2])
+def test_the_update_opens_while_the_first_tensors_are_gathered(receivers, checkpoint, tmp_path, stages):
+    """With one sender, /pause_generation and /begin_weight_update are in flight while the source yields its
+    first tensors (the first announcement waits for them); with several pipeline stages they are answered
+    before any sender gathers, as the other stages' announcements may not wait for them."""
+    _, urls = receivers
+    version = 20 + stages
+    config = WeightSyncConfig(bucket_bytes=256 << 10, timeout_s=20)
+    sender = WeightSender(config, [EngineEndpoint(u) for u in urls], stages=stages)
+    first_tensor_taken = threading.Event()
+    taken_before_begin = []
+    for client in sender._clients.values():
+        real_begin = client.begin
+
+        def begin(real_begin=real_begin):
+            # the real call, held until the first tensor is taken: at once with the overlap, else a second
+            # passes (then the source is not read until the update is open)
+            taken_before_begin.append(first_tensor_taken.wait(timeout=10 if stages == 1 else 1))
+            real_begin()
+
+        client.begin = begin
+
+    def source():
+        first_tensor_taken.set()
+        yield from ((n, t + version) for n, t in checkpoint.items())
+
+    try:
+        report = sender.sync(source, version=version)
+        assert report.ok and report.attempts == 1, report
+        assert taken_before_begin == [stages == 1] * len(urls)
+        assert report.open_s > 0 and report.close_s > 0 and report.open_s < report.wall_s
+        got = _engine_tensors(urls[1], tmp_path / "engine")
+        assert all(torch.equal(got[n], t + version) for n, t in checkpoint.items())
+        assert all(_stats(u)["version"] == str(version) for u in urls)
     finally:
         sender.close()
 
