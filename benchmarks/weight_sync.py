@@ -27,12 +27,21 @@ sender and copied by the engine's load), ``serial`` (packed, one bucket at a tim
 
     .venv/bin/python benchmarks/weight_sync.py --engine serve --sizes-mb 100 500 2000 --repeats 5 \
         --variants default packed serial --out runs/bench/weight_sync_serve.json
+
+``--fixed-cost`` first syncs two models of hidden 64 whose bytes take next to no time to move: one layer
+(what every sync costs: the control calls, an announcement, the replies; ``open`` and ``close`` split out
+pause + begin and end + resume) and 36 layers (~400 tensors, what each tensor adds: convert, pack,
+announcement, checks, load), and prints both figures; on GPUs that cost, not the bytes, bounds the ratio
+below a few GB.
+
+    .venv/bin/python benchmarks/weight_sync.py --engine serve --fixed-cost --sizes-mb 100 --repeats 7
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import statistics
@@ -162,6 +171,25 @@ def megatron_source(model: ModelConfig, args):
     return lambda times: iter_hf(chunks, mapping, Groups.from_megatron(), times, packable=True)
 
 
+# --fixed-cost: Qwen3 models of hidden 64 whose bytes take next to no time to move: with one layer (14
+# tensors) a sync costs what every sync pays (the control calls, one announcement, the replies); 36 layers
+# (~400 tensors, as many as the 1 GB model) add what each tensor costs (convert, pack, announce, check, load)
+FIXED_COST_LAYERS = (1, 36)
+
+
+def tiny_model(layers: int) -> ModelConfig:
+    return ModelConfig(
+        family="qwen3",
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=64,
+        intermediate_size=192,
+    )
+
+
 # --variants: sender settings compared in one run, interleaved (each against its own raw broadcast)
 VARIANTS = {
     "default": {},  # the configuration as given (pipelined, large tensors on their own broadcasts)
@@ -214,6 +242,7 @@ def run_size(sender: WeightSender, urls: list[str], target: int, model: ModelCon
     back so that both see the same machine load.
     """
     make = megatron_source(model, args) if args.tp > 1 else local_source(model, args)
+    tensors = sum(1 for _ in make(GatherTimes())) if args.tp == 1 else None  # Hugging Face tensors
     base = sender.config
     configs = {v: base.model_copy(update=_variant(v)) for v in args.variants}
     runs = {v: ([], [], []) for v in args.variants}  # full, raw, raw_cpu
@@ -245,11 +274,14 @@ def run_size(sender: WeightSender, urls: list[str], target: int, model: ModelCon
                     convert_s=times.convert_s,
                     pack_s=report.pack_s,
                     transfer_s=report.transfer_s,
+                    open_s=report.open_s,
+                    close_s=report.close_s,
                     load_s=max(s["load_s"] for s in stats),
                     in_place_bytes=min(s["in_place_bytes"] for s in stats),
                     cpu_s=cpu1 - cpu0,
                     bytes=report.bytes,
                     buckets=report.buckets,
+                    tensors=tensors,
                 )
             )
             raw.append(raw_broadcast(sender, report.bucket_sizes))  # the same broadcasts, bare
@@ -268,9 +300,10 @@ def _summary(
     raw_s = statistics.median(raw)
     return dict(
         variant=variant,
-        target_mb=target >> 20,
+        target_mb=target / (1 << 20),
         bytes=nbytes,
         layers=model.num_hidden_layers,
+        tensors=full[0]["tensors"],
         hidden=model.hidden_size,
         tp=args.tp,
         sync=med,
@@ -308,7 +341,14 @@ def _synchronize(device: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes-mb", type=int, nargs="+", default=[10, 100, 500, 2000])
+    p.add_argument("--sizes-mb", type=float, nargs="+", default=[10, 100, 500, 2000])
+    p.add_argument(
+        "--fixed-cost",
+        action="store_true",
+        help="first a model of ~0.3 MB: its sync time is the protocol's fixed cost per sync (pause, begin, "
+        "announcements, end, resume; the open and close columns split out the control calls), beside a "
+        "raw broadcast of its bytes",
+    )
     p.add_argument("--engines", type=int, default=1)
     p.add_argument(
         "--engine",
@@ -405,23 +445,30 @@ def main() -> int:
     results, skipped = [], []
     start, last = time.perf_counter(), None  # last: (MB, seconds) of the previous size
     try:
-        for mb in args.sizes_mb:
+        dtype_bytes = getattr(torch, args.dtype).itemsize
+        models = [(model_bytes(m, dtype_bytes), m) for m in map(tiny_model, FIXED_COST_LAYERS)]
+        models = models if args.fixed_cost else []
+        models += [
+            (int(mb * (1 << 20)), model_for_bytes(int(mb * (1 << 20)), dtype_bytes)) for mb in args.sizes_mb
+        ]
+        for i, (target, model) in enumerate(models):
+            mb = target / (1 << 20)
             if _out_of_time(args, start, last, mb):
-                skipped = args.sizes_mb[args.sizes_mb.index(mb) :]
+                skipped = [round(t / (1 << 20), 3) for t, _ in models[i:]]
                 if rank == 0:
                     print(f"--max-seconds {args.max_seconds:g}: skipped sizes {skipped} MB", flush=True)
                 break
             t0 = time.perf_counter()
-            model = model_for_bytes(mb << 20, getattr(torch, args.dtype).itemsize)
             if args.engine == "serve":
                 procs, urls, sender = connect(model)
             try:
-                sized = run_size(sender, urls, mb << 20, model, args)
+                sized = run_size(sender, urls, target, model, args)
             finally:
                 if args.engine == "serve":
                     disconnect(procs, sender)
                     procs, sender = [], None
-            last = (mb, time.perf_counter() - t0)
+            if target >= 1 << 20:  # the --fixed-cost models' time does not scale with their bytes
+                last = (mb, time.perf_counter() - t0)
             _print(sized, header=not results)
             results.extend(sized)
     finally:
@@ -429,6 +476,8 @@ def main() -> int:
             disconnect(procs, sender)
     if rank != 0:
         return 0
+    if args.fixed_cost:
+        _print_fixed_cost(results)
     meta = dict(
         engine=args.engine,
         engines=args.engines,
@@ -472,6 +521,24 @@ def _check_devices(parser: argparse.ArgumentParser, args) -> None:
             )
 
 
+def _print_fixed_cost(results: list[dict]) -> None:
+    """What a sync costs besides moving bytes, from the --fixed-cost models (medians, per variant)."""
+    for variant in dict.fromkeys(r["variant"] for r in results):
+        one, many = [r for r in results if r["variant"] == variant][:2]
+        per_tensor = (many["sync"]["wall_s"] - one["sync"]["wall_s"]) / (many["tensors"] - one["tensors"])
+        print(
+            f"{variant}: fixed cost per sync {one['sync']['wall_s'] * 1e3:.2f} ms (raw broadcast of its bytes "
+            f"{one['raw_s'] * 1e3:.2f} ms; open {one['sync']['open_s'] * 1e3:.2f}, close "
+            f"{one['sync']['close_s'] * 1e3:.2f}), per tensor {per_tensor * 1e6:.1f} us "
+            f"({one['tensors']} and {many['tensors']} tensors)",
+            flush=True,
+        )
+
+
+def model_bytes(model: ModelConfig, dtype_bytes: int) -> int:
+    return sum(math.prod(s) for s in megatron_shapes(model).values()) * dtype_bytes
+
+
 def _out_of_time(args, start: float, last: tuple[int, float] | None, mb: int) -> bool:
     """Whether size ``mb`` would end past ``--max-seconds`` (the same decision on every TP rank)."""
     skip = False
@@ -489,15 +556,16 @@ def _print(results: list[dict], header: bool) -> None:
     if header:
         print(
             f"{'variant':>8} {'size':>7} {'bytes':>12} {'sync GB/s':>9} {'raw GB/s':>8} {'ratio':>6} {'paired':>6} | "
-            f"{'gather':>7} {'convert':>7} {'pack':>7} {'transfer':>8} {'load':>7} {'wall':>7} (s, medians) | "
-            f"CPU s/GB sync raw"
+            f"{'gather':>7} {'convert':>7} {'pack':>7} {'transfer':>8} {'load':>7} {'wall':>7} {'raw':>7} (s, medians) | "
+            f"{'open':>5} {'close':>5} (ms) | CPU s/GB sync raw"
         )
     for r in results:
         s = r["sync"]
         print(
-            f"{r['variant']:>8} {r['target_mb']:>5}MB {r['bytes']:>12} {r['sync_gbps']:>9.2f} {r['raw_gbps']:>8.2f} {r['ratio']:>6.2f} {r['paired_ratio']:>6.2f} | "
+            f"{r['variant']:>8} {r['target_mb']:>5.4g}MB {r['bytes']:>12} {r['sync_gbps']:>9.2f} {r['raw_gbps']:>8.2f} {r['ratio']:>6.2f} {r['paired_ratio']:>6.2f} | "
             f"{s['gather_s']:>7.3f} {s['convert_s']:>7.3f} {s['pack_s']:>7.3f} {s['transfer_s']:>8.3f} "
-            f"{s['load_s']:>7.3f} {s['wall_s']:>7.3f}              | "
+            f"{s['load_s']:>7.3f} {s['wall_s']:>7.4f} {r['raw_s']:>7.4f}              | "
+            f"{s['open_s'] * 1e3:>5.1f} {s['close_s'] * 1e3:>5.1f}      | "
             f"{r['sync_cpu_s_per_gb']:>8.2f} {r['raw_cpu_s_per_gb']:>4.2f}",
             flush=True,
         )
