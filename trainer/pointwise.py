@@ -48,11 +48,26 @@ def wants_compiled(t: torch.Tensor, mode: str | None = None) -> bool:
     return mode == "auto" and t.is_cuda and t.numel() >= COMPILE_MIN_NUMEL
 
 
+RECOMPILE_LIMIT = 64  # graphs per function: shapes by rank (queries, keys), grad on/off, dtypes
+
+
 def compiled(fn: Callable) -> Callable:
-    """``fn`` under ``torch.compile`` (dynamic shapes: packed batches change length every step), cached."""
+    """``fn`` under ``torch.compile``, cached.
+
+    Shapes are static at first and a dimension becomes dynamic once it changes (torch's automatic dynamic
+    shapes): the token count of packed batches changes every step, while hidden, head and vocabulary sizes
+    stay constants, so the kernels keep vectorised, constant-stride indexing. Compiling every dimension as
+    dynamic (``dynamic=True``) measured 2-3x slower kernels on the H200 (SwiGLU's backward: 0.66 ms for
+    8192 x 12288, 0.9 TB/s).
+    """
     c = _compiled.get(fn)
     if c is None:
-        c = _compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+        import torch._dynamo
+
+        config = torch._dynamo.config
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
+        c = _compiled[fn] = torch.compile(fn, fullgraph=True)
     return c
 
 
