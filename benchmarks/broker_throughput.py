@@ -18,7 +18,9 @@ Each sample is ``tokens`` x (int32 id + float32 logprob + int32 version) plus ~2
 Every method runs ``--repeats`` times per size, interleaved; the table shows medians and the broker's ratio
 to each baseline, and the CPU time per sample of each process (producers, broker, consumer); stderr also
 has the broker's CPU per sample by thread (event loop, journal writer and fsync, ZeroMQ I/O) and its peak
-resident memory. Ray is optional (``make bench-deps``); without it those columns are skipped. Temporary
+resident memory, and per run the cores busy on the host against those the run's processes used (the rest
+is other work) and the journal device's read and write MB/s (a broker run bound by the device shows
+idle cores of its own and the disk's bandwidth in use). Ray is optional (``make bench-deps``); without it those columns are skipped. Temporary
 folders (the journals: GBs at 32K tokens) are removed also when a run fails.
 
     .venv/bin/python benchmarks/broker_throughput.py --out runs/bench/broker_throughput.json

@@ -200,9 +200,11 @@ class Journal:
     """The log. Inline mode (default): ``append`` writes before it returns. Deferred mode: ``append`` only
     stages the record, ``commit`` writes all staged records in one go (the broker commits once per batch
     of requests it handles, then sends the replies that waited for them: group commit without a thread).
-    Background mode: a writer thread writes everything staged in one go and reports the highest durable
-    sequence number through ``on_durable`` (called from that thread), so the event loop never waits for
-    the device; each commit then costs two thread wake-ups, which under CPU contention add latency."""
+    Background mode: ``append`` queues the record and ``commit`` hands the queue to a writer thread, which
+    writes everything queued in one go and reports the highest durable sequence number through
+    ``on_durable`` (called from that thread), so the event loop does not wait for large writes; as that
+    costs two thread wake-ups per commit, a commit of at most ``inline_bytes`` is written by the
+    committing thread itself while the writer thread is idle."""
 
     def __init__(
         self,
