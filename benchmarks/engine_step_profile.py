@@ -148,10 +148,10 @@ def step_macs(cfg, batch: int, context: int) -> tuple[float, float]:
 
 
 def native_parts_ms(lean, engine_step, ids, positions, context, params, calls: int) -> dict[str, float]:
-    """The native step's parts (its own clock) over ``calls`` steps, and sampling timed on its own."""
+    """The native step's parts (its own per-thread CPU clock) over ``calls`` steps, sampling timed on its
+    own, and what is left of those same steps' CPU time (Python, the call, tensors)."""
     lean.native_step.time_parts()
-    for _ in range(calls):
-        engine_step()
+    whole = cpu_ms(engine_step, calls)
     split: dict[str, float] = collections.defaultdict(float)
     for part, ns in zip(native_step.TIMED_PARTS, lean.native_step.timings.tolist(), strict=True):
         split[NATIVE_PARTS[part]] += ns / 1e6 / calls
@@ -159,6 +159,7 @@ def native_parts_ms(lean, engine_step, ids, positions, context, params, calls: i
     logits = lean(ids, positions, context + 1, masked=False)
     generators = [None] * len(params)
     split["sampling / logprobs"] += cpu_ms(lambda: sample(logits, params, generators), calls)
+    split[OUTSIDE] = max(0.0, whole - sum(split.values()))
     return dict(split)
 
 
@@ -292,12 +293,11 @@ def main() -> None:
         for side, split in splits.items()
     }
     if native_split:
-        # the kernel's own clock per part, not scaled; what is left of the step ran outside it
-        parts = {
-            cat: statistics.median(r.get(cat, 0.0) for r in native_split) for cat in [*CATEGORIES, OTHER]
-        }
-        parts[OUTSIDE] = step["engine"] - sum(parts.values())
-        splits["engine"] = scaled["engine"] = parts
+        # the kernel's own clock per part and the rest of the same steps, as shares of the un-profiled step
+        cats = [*CATEGORIES, OTHER, OUTSIDE]
+        splits["engine"] = {cat: statistics.median(r.get(cat, 0.0) for r in native_split) for cat in cats}
+        total = sum(splits["engine"].values())
+        scaled["engine"] = {cat: ms / total * step["engine"] for cat, ms in splits["engine"].items()}
     print(
         "\n| where (ms per step: profiled share x un-profiled step) | engine | share | transformers | share |"
         "\n|---|---:|---:|---:|---:|"
