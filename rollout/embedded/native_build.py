@@ -101,15 +101,23 @@ def _load(source: str, isa: str, cc: str) -> tuple[ctypes.CDLL | None, str]:
 
 
 def load(source: str, isa: str | None = None) -> tuple[ctypes.CDLL | None, str]:
-    """The compiled library of ``source`` for ``isa`` (None: this machine's), or None and why not."""
+    """The compiled library of ``source`` for ``isa`` (None: this machine's best, falling back to the AVX2
+    build if the AVX-512 one fails), or None and why not."""
     best, how = host_isa()
     if best is None:
         return None, how
-    if isa is None:
-        isa = best
-    elif isa not in ISA_FLAGS or (isa == "avx512" and torch.backends.cpu.get_cpu_capability() != "AVX512"):
+    if isa is not None and (
+        isa not in ISA_FLAGS or (isa == "avx512" and torch.backends.cpu.get_cpu_capability() != "AVX512")
+    ):
         return None, f"no {isa} build on this CPU (torch reports {torch.backends.cpu.get_cpu_capability()})"
     cc = compiler()
     if cc is None:
         return None, "no C compiler (cc, gcc or clang, or $CC) to build the native kernels"
-    return _load(source, isa, cc)
+    if isa is not None:
+        return _load(source, isa, cc)
+    lib, how = _load(source, best, cc)
+    if lib is None and best == "avx512":
+        fallback, fallback_how = _load(source, "avx2", cc)
+        if fallback is not None:
+            return fallback, f"{fallback_how} (the avx512 build failed: {how})"
+    return lib, how

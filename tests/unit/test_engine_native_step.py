@@ -206,3 +206,19 @@ def test_native_step_reads_no_scratch_it_did_not_write(rows):
         again = native(ids, positions, 16, masked=True)
     assert torch.isfinite(first).all()
     torch.testing.assert_close(again, first, atol=0, rtol=0)
+
+
+@pytest.mark.skipif(
+    native_build.host_isa()[0] != "avx512", reason="the fallback is from the AVX-512 build (not this CPU's)"
+)
+def test_a_failed_avx512_build_falls_back_to_the_avx2_build(monkeypatch):
+    real = native_build._load.__wrapped__
+
+    def avx512_fails(source, isa, cc):
+        if isa == "avx512":
+            return None, "building or loading the native kernels failed: simulated"
+        return real(source, isa, cc)
+
+    monkeypatch.setattr(native_build, "_load", avx512_fails)
+    lib, how = native_build.load(native_step.SOURCE)
+    assert lib is not None and how.startswith("avx2 build") and "simulated" in how
