@@ -122,8 +122,10 @@ class KernelConfig(BaseModel):
     multi_tensor: Literal["foreach", "megatron"] = Field(
         "foreach",
         description="gradient norm / scale / copy helpers of megatron's optimizer without Apex: foreach = "
-        "torch._foreach_* on the device, no host sync; megatron = megatron-core's local fallbacks (one "
-        "host sync per parameter tensor for the gradient norm)",
+        "torch._foreach_* on the device, no host sync, and the distributed optimizer's per-step copies "
+        "between master shards and model buffers planned once and run as one multi-tensor copy; megatron = "
+        "megatron-core's local fallbacks (one host sync per parameter tensor for the gradient norm) and its "
+        "per-parameter copy loops",
     )
 
 

@@ -188,6 +188,8 @@ def _prepare_optimizer(state) -> None:
 
     kernels = _kernels(state.chunks)
     fused_optim.install(kernels.multi_tensor == "foreach")
+    if kernels.multi_tensor == "foreach":
+        fused_optim.batch_shard_copies(state.optimizer)  # once per optimizer; no-op after
     if kernels.adam != "foreach" and not getattr(state, "_tidal_adam_checked", False):
         switched = fused_optim.use_fused_adam(state.optimizer)
         if kernels.adam == "fused" and not switched:
