@@ -67,12 +67,20 @@ typedef float vfu __attribute__((vector_size(VW * 4), aligned(4), may_alias));
 static inline __attribute__((always_inline)) void head_group(const float *restrict q, const float *restrict k,
                                                               const float *restrict v, int L, const int G,
                                                               const int D, float scale, float *restrict s,
-                                                              float *restrict o) {
+                                                              float *restrict o, const float *next_k) {
   const __m256 vscale = _mm256_set1_ps(scale);
   const int SL = L + 8;
   int l = 0;
   for (; l + 8 <= L; l += 8) {
     const float *kb = k + (int64_t)l * D;
+    if (next_k) {
+      /* these keys' values and the next head's keys, fetched while the scores are computed: the hardware
+         prefetcher does not run far enough ahead at each new (row, head) block of the pool */
+      for (int b = 0; b < 8 * D; b += 16) {
+        _mm_prefetch((const char *)(v + (int64_t)l * D + b), _MM_HINT_T0);
+        _mm_prefetch((const char *)(next_k + (int64_t)l * D + b), _MM_HINT_T1);
+      }
+    }
     _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {
       const float *qg = q + g * D;
       __m256 r = reduce8(dot8(qg, kb, D), dot8(qg, kb + D, D), dot8(qg, kb + 2 * D, D),
@@ -134,10 +142,11 @@ static inline __attribute__((always_inline)) void head_group(const float *restri
   }
 }
 
-/* the G (<= 8) query heads of a K/V head; constant head dims and group sizes get their own code */
+/* the G (<= 8) query heads of a K/V head; constant head dims and group sizes get their own code; next_k
+   (NULL: none) the keys the caller reads next, prefetched meanwhile with this head's values */
 static void head(const float *q, const float *k, const float *v, int L, int G, int D, float scale, float *s,
-                 float *o) {
-#define GROUP(DIM, GS) head_group(q, k, v, L, GS, DIM, scale, s, o)
+                 float *o, const float *next_k) {
+#define GROUP(DIM, GS) head_group(q, k, v, L, GS, DIM, scale, s, o, next_k)
 #define DIMS(GS)                                     \
   switch (D) {                                       \
     case 16: GROUP(16, GS); break;                   \
@@ -177,7 +186,8 @@ int tidal_decode_attention(const float *q, int64_t q_row_stride, const float *K,
       const float *qr = q + r * q_row_stride + (int64_t)h * G * D;
       float *o = out + ((int64_t)r * KVH + h) * G * D;
       for (int g0 = 0; g0 < G; g0 += 8)
-        head(qr + g0 * D, k, v, L, G - g0 < 8 ? G - g0 : 8, D, scale, scratch, o + g0 * D);
+        head(qr + g0 * D, k, v, L, G - g0 < 8 ? G - g0 : 8, D, scale, scratch, o + g0 * D,
+             h + 1 < KVH || r + 1 < R ? k + (int64_t)maxlen * D : 0);
     }
   }
   return 0;
