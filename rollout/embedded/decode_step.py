@@ -63,6 +63,13 @@ class EagerDecode:
         rows at ``last`` (then no mask). The host never reads the device here, so steps chain without a sync."""
         return self.decoder(ids, positions, last + 1, masked=not uniform)
 
+    def greedy(
+        self, ids: torch.Tensor, positions: torch.Tensor, last: int, uniform: bool
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every row greedy: (tokens, their logprobs) from the native step in one call; None without it."""
+        step = self.decoder.native_step
+        return None if step is None else step.greedy(ids, positions)
+
 
 class DecodeGraphs:
     """The lean forward padded to (batch, length) buckets; CUDA graphs per bucket pair when ``capture``."""

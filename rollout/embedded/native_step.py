@@ -502,6 +502,22 @@ void tidal_gemm(const float *A, const float *B, float *C, int N, int rows, int c
   gemm(A, K, B, cols, C, cols, N, rows, cols, K, 0, xs);
 }
 
+/* each row's greedy token (the first of its largest logits, as torch.argmax) and its log-softmax, which is
+   -log(sum(exp(logits - max))): what sampling.py computes for greedy rows, without a pass per op */
+static void greedy(const Model *m, const float *logits, int rows, int64_t *tokens, float *logprobs) {
+  const int64_t V = m->vocab;
+  for (int64_t r = 0; r < rows; r++) {
+    const float *x = logits + r * V;
+    float mx = x[0], sum = 0.f;
+    for (int64_t v = 1; v < V; v++) mx = x[v] > mx ? x[v] : mx;
+    int64_t arg = 0;
+    while (arg < V - 1 && x[arg] != mx) arg++; /* bounded: NaN logits compare unequal to anything */
+    for (int64_t v = 0; v < V; v++) sum += expf(x[v] - mx);
+    tokens[r] = arg;
+    logprobs[r] = -logf(sum);
+  }
+}
+
 /* Floats of scratch memory a step of `rows` rows (logits for `out_rows` of them) needs. */
 int64_t tidal_step_scratch_floats(const Model *m, int rows, int out_rows) { return plan(m, rows, out_rows, NULL).total; }
 
@@ -512,7 +528,8 @@ int64_t tidal_step_scratch_floats(const Model *m, int rows, int out_rows) { retu
    too little scratch, -3..-6 for a token id, position, slot or output row out of range. */
 int tidal_forward_step(const Model *m, int rows, const int64_t *ids, const int64_t *positions,
                        const int64_t *slots, int out_rows, const int64_t *out, float *logits,
-                       float *scratch, int64_t scratch_floats) {
+                       int64_t *greedy_tokens, float *greedy_logprobs, float *scratch,
+                       int64_t scratch_floats) {
   const int64_t D = m->head_dim, H = m->hidden;
   if (D != 16 && D != 32 && D != 64 && D != 128 && D != 256) return -1;
   if (m->experts > 1024 || m->heads % m->kv_heads) return -1;
@@ -557,6 +574,7 @@ int tidal_forward_step(const Model *m, int rows, const int64_t *ids, const int64
     TIMED(T_ELEMENTWISE, for (int64_t i = 0; i < out_rows; i++) for (int64_t v = 0; v < n; v++)
                              logits[i * m->vocab + v0 + v] = p.logits_t[v * oc + i]);
   }
+  if (greedy_tokens) TIMED(T_ELEMENTWISE, greedy(m, logits, out_rows, greedy_tokens, greedy_logprobs));
   return 0;
 }
 """
@@ -626,7 +644,7 @@ def load(isa: str | None = None) -> tuple[ctypes.CDLL | None, str]:
     if lib is None:
         return None, how
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib.tidal_forward_step.argtypes = [ptr, i32, ptr, ptr, ptr, i32, ptr, ptr, ptr, i64]
+    lib.tidal_forward_step.argtypes = [ptr, i32, ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, ptr, i64]
     lib.tidal_forward_step.restype = ctypes.c_int
     lib.tidal_step_scratch_floats.argtypes = [ptr, i32, i32]
     lib.tidal_step_scratch_floats.restype = ctypes.c_int64
@@ -726,6 +744,15 @@ class NativeStep:
         slots: torch.Tensor | None = None,
         out_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        return self._run(ids, positions, slots, out_rows, greedy=False)[0]
+
+    def greedy(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step whose rows are all greedy: each row's argmax token and its log-softmax, computed in
+        the kernel (``sampling.sample``'s result for greedy rows, without three PyTorch ops over the logits)."""
+        _, tokens, logprobs = self._run(ids, positions, None, None, greedy=True)
+        return tokens, logprobs
+
+    def _run(self, ids, positions, slots, out_rows, *, greedy: bool):
         rows = ids.shape[0]
         n_out = rows if out_rows is None else out_rows.shape[0]
         if rows == 0 or n_out == 0:
@@ -744,6 +771,8 @@ class NativeStep:
             if need <= KEPT_SCRATCH_FLOATS:
                 self.scratch = scratch
         logits = torch.empty(n_out, self.model.vocab, dtype=torch.float32)
+        tokens = torch.empty(n_out, dtype=torch.int64) if greedy else None
+        logprobs = torch.empty(n_out, dtype=torch.float32) if greedy else None
         status = self.lib.tidal_forward_step(
             model,
             rows,
@@ -753,12 +782,14 @@ class NativeStep:
             n_out,
             None if out_rows is None else out_rows.data_ptr(),
             logits.data_ptr(),
+            None if tokens is None else tokens.data_ptr(),
+            None if logprobs is None else logprobs.data_ptr(),
             scratch.data_ptr(),
             scratch.numel(),
         )
         if status != 0:
             raise ValueError(f"native step: {_REFUSED.get(status, f'status {status}')}")
-        return logits
+        return logits, tokens, logprobs
 
 
 _REFUSED = {

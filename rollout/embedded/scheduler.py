@@ -390,10 +390,13 @@ class Scheduler:
         ids = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.long, device=self.device)
         start = torch.tensor(positions, dtype=torch.long, device=self.device)
         last, uniform = max(positions), min(positions) == max(positions)
+        # every row greedy: the native step picks the tokens and their logprobs itself (EagerDecode.greedy)
+        greedy = getattr(self._lean_step, "greedy", None) if all(p.greedy for p in params) else None
         tokens, logprobs = [], []
         for step in range(steps):
-            logits = self._lean_step(ids, start + step if step else start, last + step, uniform)
-            ids, chosen = sample(logits, params, generators)
+            args = (ids, start + step if step else start, last + step, uniform)
+            picked = greedy(*args) if greedy is not None else None
+            ids, chosen = picked if picked is not None else sample(self._lean_step(*args), params, generators)
             tokens.append(ids)
             logprobs.append(chosen)
         self.steps += steps

@@ -222,3 +222,19 @@ def test_a_failed_avx512_build_falls_back_to_the_avx2_build(monkeypatch):
     monkeypatch.setattr(native_build, "_load", avx512_fails)
     lib, how = native_build.load(native_step.SOURCE)
     assert lib is not None and how.startswith("avx2 build") and "simulated" in how
+
+
+@needs_native
+def test_native_greedy_step_picks_what_sampling_the_logits_picks():
+    """All rows greedy: the kernel's argmax tokens and log-softmax equal sampling.sample on its logits."""
+    from tidal.rollout.embedded.sampling import SamplingParams, sample
+
+    native, _ = decoder_pair("qwen3_moe", seed=9, slots=12, max_len=24)
+    gen = torch.Generator().manual_seed(4)
+    ids, positions = torch.randint(0, 96, (11,), generator=gen), torch.randint(0, 23, (11,), generator=gen)
+    with torch.inference_mode():
+        logits = native(ids, positions, 24, masked=True)
+        tokens, logprobs = native.native_step.greedy(ids, positions)
+        expected_tokens, expected_logprobs = sample(logits, [SamplingParams(temperature=0)] * 11, [None] * 11)
+    assert tokens.tolist() == expected_tokens.tolist()
+    torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-6, rtol=0)
