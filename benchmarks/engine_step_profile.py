@@ -67,6 +67,7 @@ NATIVE_PARTS = {
     "qk_norm_rotary_kv_write": OTHER,
     "moe_routing": "MoE routing and combine",
     "elementwise": OTHER,
+    "greedy_pick": "sampling / logprobs",
 }
 OUTSIDE = "outside the kernel (Python, the call, tensors)"
 
@@ -147,18 +148,15 @@ def step_macs(cfg, batch: int, context: int) -> tuple[float, float]:
     return gemm, attention
 
 
-def native_parts_ms(lean, engine_step, ids, positions, context, params, calls: int) -> dict[str, float]:
-    """The native step's parts (its own per-thread CPU clock) over ``calls`` steps, sampling timed on its
-    own, and what is left of those same steps' CPU time (Python, the call, tensors)."""
+def native_parts_ms(lean, engine_step, calls: int) -> dict[str, float]:
+    """The native step's parts (its own per-thread CPU clock; the greedy pick is its sampling) over
+    ``calls`` steps, and what is left of those same steps' CPU time (Python, the call, tensors)."""
     lean.native_step.time_parts()
     whole = cpu_ms(engine_step, calls)
     split: dict[str, float] = collections.defaultdict(float)
     for part, ns in zip(native_step.TIMED_PARTS, lean.native_step.timings.tolist(), strict=True):
         split[NATIVE_PARTS[part]] += ns / 1e6 / calls
     lean.native_step.time_parts(False)
-    logits = lean(ids, positions, context + 1, masked=False)
-    generators = [None] * len(params)
-    split["sampling / logprobs"] += cpu_ms(lambda: sample(logits, params, generators), calls)
     split[OUTSIDE] = max(0.0, whole - sum(split.values()))
     return dict(split)
 
@@ -204,7 +202,10 @@ def main() -> None:
     mask = torch.ones(a.batch, context + 1, dtype=torch.long)
 
     def engine_step() -> None:
-        tokens, logprobs = sample(lean(ids, positions, context + 1, masked=False), params, generators)
+        if lean.native_step is not None:  # greedy rows: the kernel picks them (as the scheduler has it do)
+            tokens, logprobs = lean.native_step.greedy(ids, positions)
+        else:
+            tokens, logprobs = sample(lean(ids, positions, context + 1, masked=False), params, generators)
         tokens.tolist(), logprobs.tolist()
 
     def transformers_step() -> None:
@@ -243,7 +244,7 @@ def main() -> None:
         native_split: list[dict[str, float]] = []
         for _ in range(3):
             if lean.native_step is not None:
-                native_split.append(native_parts_ms(lean, engine_step, ids, positions, context, params, 10))
+                native_split.append(native_parts_ms(lean, engine_step, 10))
             else:
                 profiled["engine"].append(categorised_ms(engine_step, 10))
             profiled["transformers"].append(categorised_ms(transformers_step, 10))

@@ -212,7 +212,7 @@ typedef struct {
   double *timings; /* NULL; or CPU nanoseconds per part of the step, added up (the step profiler's split) */
 } Model;
 
-enum { T_GEMM, T_ATTENTION, T_QK_ROTARY_KV, T_ROUTING, T_ELEMENTWISE, T_PARTS };
+enum { T_GEMM, T_ATTENTION, T_QK_ROTARY_KV, T_ROUTING, T_ELEMENTWISE, T_GREEDY, T_PARTS };
 
 static inline double now_ns(void) {
   struct timespec t;
@@ -574,7 +574,7 @@ int tidal_forward_step(const Model *m, int rows, const int64_t *ids, const int64
     TIMED(T_ELEMENTWISE, for (int64_t i = 0; i < out_rows; i++) for (int64_t v = 0; v < n; v++)
                              logits[i * m->vocab + v0 + v] = p.logits_t[v * oc + i]);
   }
-  if (greedy_tokens) TIMED(T_ELEMENTWISE, greedy(m, logits, out_rows, greedy_tokens, greedy_logprobs));
+  if (greedy_tokens) TIMED(T_GREEDY, greedy(m, logits, out_rows, greedy_tokens, greedy_logprobs));
   return 0;
 }
 """
@@ -634,7 +634,7 @@ class _Model(ctypes.Structure):
 # scratch memory kept between steps (64 MiB); a step that needs more allocates its own for that call
 KEPT_SCRATCH_FLOATS = 16 << 20
 # the parts of a step that ``NativeStep.timings`` adds up (the C enum's order)
-TIMED_PARTS = ("gemm", "attention", "qk_norm_rotary_kv_write", "moe_routing", "elementwise")
+TIMED_PARTS = ("gemm", "attention", "qk_norm_rotary_kv_write", "moe_routing", "elementwise", "greedy_pick")
 
 
 @cache
