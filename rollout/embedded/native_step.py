@@ -3,8 +3,9 @@
 With every op of a step a separate PyTorch call, a batch-64 decode step of the default job's model spent a
 quarter of its time in ~60 small ops (norms, rotary, residuals, routing) and a third in GEMMs run by MKL,
 which uses its AVX2 code on AMD CPUs (about half of an AVX-512 core's rate on Zen 5). This kernel runs a
-step's every layer in one call: its GEMMs are register-tiled AVX-512 (or AVX2) loops over the weights in
-their own layout, the small ops are loops over those tiles, and the attention is ``native_attention.py``'s.
+step's every layer in one call: its GEMMs are ``native_gemm.py``'s register-tiled AVX-512 (or AVX2) loops
+over the weights in their own layout, the small ops are loops over the same columns, and the attention is
+``native_attention.py``'s. The three sources compile into one library (``native_build.py``).
 
 Layout: activations are feature-major (``[features, columns]``, one column per row, columns padded with
 zeros to the vector width), so every projection is ``W[N, K] @ X[K, columns]`` with the weights read where
@@ -27,10 +28,11 @@ from functools import cache
 
 import torch
 
-from tidal.rollout.embedded import native_attention, native_build
+from tidal.rollout.embedded import native_attention, native_build, native_gemm
 
 SOURCE = (
     native_attention.SOURCE
+    + native_gemm.SOURCE
     + r"""
 #include <string.h>
 #include <time.h>
@@ -42,159 +44,7 @@ of the vector width with zeros), so every projection is C[N, cols] = W[N, K] @ X
 weights read in their own row-major layout (no packed copy that a weight update could leave stale) and
 the rows' values side by side in one vector register. */
 
-/* VW, vf, VLD, VST: the vector width and type of native_attention's source, which comes first */
-#define ROUND_UP(n, k) (((n) + (k) - 1) / (k) * (k))
-
-/* one register tile: C[R rows, T vectors] (+)= A[R, :K] @ B[:K, T vectors]; the product is summed from zero
-   and added to C once at the end (h + W x, as the model's residual adds) */
-#define DEF_TILE(NAME, R, T)                                                                          \
-  static void NAME(const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc,   \
-                   int K, int accumulate) {                                                           \
-    vf acc[R][T];                                                                                     \
-    _Pragma("GCC unroll 16") for (int i = 0; i < R; i++)                                               \
-      _Pragma("GCC unroll 4") for (int t = 0; t < T; t++) acc[i][t] = (vf){};                          \
-    for (int k = 0; k < K; k++) {                                                                     \
-      vf b[T];                                                                                        \
-      _Pragma("GCC unroll 4") for (int t = 0; t < T; t++) b[t] = VLD(B + (int64_t)k * ldb + t * VW);   \
-      _Pragma("GCC unroll 16") for (int i = 0; i < R; i++) {                                           \
-        const vf a = (vf){} + A[(int64_t)i * lda + k];                                                \
-        _Pragma("GCC unroll 4") for (int t = 0; t < T; t++) acc[i][t] += a * b[t];                     \
-      }                                                                                               \
-    }                                                                                                 \
-    _Pragma("GCC unroll 16") for (int i = 0; i < R; i++)                                               \
-      _Pragma("GCC unroll 4") for (int t = 0; t < T; t++) {                                            \
-        float *c = C + (int64_t)i * ldc + t * VW;                                                     \
-        vf r = acc[i][t];                                                                             \
-        if (accumulate) r = VLD(c) + r;                                                               \
-        VST(c, r);                                                                                    \
-      }                                                                                               \
-  }
-
-/* tile heights that fill the vector registers: R*T accumulators + T loads + 1 broadcast */
-#if VW == 16
-#define RT4 6
-#define RT2 12
-#define RT1 14
-DEF_TILE(tile_r4, RT4, 4)
-DEF_TILE(tile_14, 1, 4)
-#else
-#define RT2 6
-#define RT1 12
-#endif
-DEF_TILE(tile_r2, RT2, 2)
-DEF_TILE(tile_12, 1, 2)
-DEF_TILE(tile_r1, RT1, 1)
-DEF_TILE(tile_11, 1, 1)
-
-/* C[N, cols] (+)= A[N, K] @ B[K, cols]; cols a multiple of VW; ld*: row strides in floats. Rows of A are
-   taken in chunks of about 128 KiB so that a chunk stays in L2 while every column block passes over it. */
-static void gemm_tiled(const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc, int N,
-                 int cols, int K, int accumulate) {
-  int chunk = (int)(32768 / (K > 0 ? K : 1));
-  chunk = chunk < 16 ? 16 : chunk;
-  for (int n0 = 0; n0 < N; n0 += chunk) {
-    const int n1 = n0 + chunk < N ? n0 + chunk : N;
-    int m = 0;
-#define COLUMN_BLOCK(TN, TR, T)                                                                        \
-    for (int n = n0; n < n1;) {                                                                        \
-      const float *a = A + (int64_t)n * lda;                                                           \
-      float *c = C + (int64_t)n * ldc + m;                                                             \
-      if (n + TR <= n1) { TN##r##T(a, lda, B + m, ldb, c, ldc, K, accumulate); n += TR; }              \
-      else { TN##1##T(a, lda, B + m, ldb, c, ldc, K, accumulate); n += 1; }                            \
-    }
-#if VW == 16
-    for (; m + 4 * VW <= cols; m += 4 * VW) { COLUMN_BLOCK(tile_, RT4, 4) }
-#endif
-    for (; m + 2 * VW <= cols; m += 2 * VW) { COLUMN_BLOCK(tile_, RT2, 2) }
-    for (; m + VW <= cols; m += VW) { COLUMN_BLOCK(tile_, RT1, 1) }
-#undef COLUMN_BLOCK
-  }
-}
-
-static inline float hsum(vf v) {
-  float s = 0.f;
-  _Pragma("GCC unroll 16") for (int j = 0; j < VW; j++) s += v[j];
-  return s;
-}
-
-/* NB rows of A against R (<= 4) gathered columns (xs: R rows of K): dot products along k */
-#define DEF_FEW(NAME, NB, R)                                                                           \
-  static void NAME(const float *A, int64_t lda, const float *xs, float *C, int64_t ldc, int K,          \
-                   int accumulate) {                                                                   \
-    vf acc[NB][R];                                                                                     \
-    float tail[NB][R];                                                                                 \
-    _Pragma("GCC unroll 4") for (int i = 0; i < NB; i++)                                                \
-      _Pragma("GCC unroll 4") for (int c = 0; c < R; c++) acc[i][c] = (vf){}, tail[i][c] = 0.f;         \
-    int k = 0;                                                                                         \
-    for (; k + VW <= K; k += VW) {                                                                     \
-      vf x[R];                                                                                         \
-      _Pragma("GCC unroll 4") for (int c = 0; c < R; c++) x[c] = VLD(xs + (int64_t)c * K + k);          \
-      _Pragma("GCC unroll 4") for (int i = 0; i < NB; i++) {                                            \
-        const vf w = VLD(A + (int64_t)i * lda + k);                                                    \
-        _Pragma("GCC unroll 4") for (int c = 0; c < R; c++) acc[i][c] += w * x[c];                      \
-      }                                                                                                \
-    }                                                                                                  \
-    for (; k < K; k++)                                                                                 \
-      for (int i = 0; i < NB; i++)                                                                     \
-        for (int c = 0; c < R; c++) tail[i][c] += A[(int64_t)i * lda + k] * xs[(int64_t)c * K + k];    \
-    _Pragma("GCC unroll 4") for (int i = 0; i < NB; i++)                                                \
-      _Pragma("GCC unroll 4") for (int c = 0; c < R; c++) {                                             \
-        const float y = hsum(acc[i][c]) + tail[i][c];                                                  \
-        float *out = C + (int64_t)i * ldc + c;                                                         \
-        *out = accumulate ? *out + y : y;                                                              \
-      }                                                                                                \
-  }
-DEF_FEW(few_4_1, 4, 1)
-DEF_FEW(few_4_2, 4, 2)
-DEF_FEW(few_4_3, 4, 3)
-DEF_FEW(few_4_4, 4, 4)
-DEF_FEW(few_1_1, 1, 1)
-DEF_FEW(few_1_2, 1, 2)
-DEF_FEW(few_1_3, 1, 3)
-DEF_FEW(few_1_4, 1, 4)
-
-/* columns up to which the dot-product kernel runs instead of the padded tiles (which would multiply mostly
-   zero columns) */
-#define FEW_COLUMNS (VW / 2)
-
-/* C (+)= A @ B over the first `rows` of `cols` columns (the rest are padding: left alone when accumulating,
-   zeros otherwise). xs: 4 * K floats of scratch. */
-static void gemm(const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc, int N,
-                 int rows, int cols, int K, int accumulate, float *xs) {
-  if (rows > FEW_COLUMNS) {
-    gemm_tiled(A, lda, B, ldb, C, ldc, N, cols, K, accumulate);
-    return;
-  }
-  for (int c0 = 0; c0 < rows; c0 += 4) {
-    const int R = rows - c0 < 4 ? rows - c0 : 4;
-    for (int c = 0; c < R; c++)
-      for (int k = 0; k < K; k++) xs[(int64_t)c * K + k] = B[(int64_t)k * ldb + c0 + c];
-    for (int n = 0; n < N;) {
-      const float *a = A + (int64_t)n * lda;
-      float *out = C + (int64_t)n * ldc + c0;
-      if (n + 4 <= N) {
-        switch (R) {
-          case 1: few_4_1(a, lda, xs, out, ldc, K, accumulate); break;
-          case 2: few_4_2(a, lda, xs, out, ldc, K, accumulate); break;
-          case 3: few_4_3(a, lda, xs, out, ldc, K, accumulate); break;
-          default: few_4_4(a, lda, xs, out, ldc, K, accumulate);
-        }
-        n += 4;
-      } else {
-        switch (R) {
-          case 1: few_1_1(a, lda, xs, out, ldc, K, accumulate); break;
-          case 2: few_1_2(a, lda, xs, out, ldc, K, accumulate); break;
-          case 3: few_1_3(a, lda, xs, out, ldc, K, accumulate); break;
-          default: few_1_4(a, lda, xs, out, ldc, K, accumulate);
-        }
-        n += 1;
-      }
-    }
-  }
-  if (!accumulate)
-    for (int n = 0; n < N; n++)
-      for (int c = rows; c < cols; c++) C[(int64_t)n * ldc + c] = 0.f;
-}
+/* ROUND_UP, gemm: native_gemm's source, which comes before this one */
 
 typedef struct {
   const float *input_norm, *post_norm, *qkv, *q_norm, *k_norm, *o_proj;
@@ -495,11 +345,6 @@ static void moe(const Model *m, const Layer *L, const Plan *p, int rows) {
   }
   if (m->timings) m->timings[T_ROUTING] += now_ns() - t1;
   TIMED(T_ELEMENTWISE, for (int64_t i = 0; i < H * cols; i += VW) VST(p->h + i, VLD(p->h + i) + VLD(p->moe + i)));
-}
-
-/* C[N, cols] = A[N, K] @ B[K, cols] as the step runs its projections (the benchmarks' GEMM rate) */
-void tidal_gemm(const float *A, const float *B, float *C, int N, int rows, int cols, int K, float *xs) {
-  gemm(A, K, B, cols, C, cols, N, rows, cols, K, 0, xs);
 }
 
 /* each row's greedy token (the first of its largest logits, as torch.argmax) and its log-softmax, which is
