@@ -22,6 +22,7 @@ import torch
 
 from tidal.model_config import ModelConfig
 from tidal.procs import free_port
+from tidal.rollout.embedded import native_step
 from tidal.rollout.embedded.model import NamedTensorLoader, build_model
 from tidal.rollout.embedded.testing import TINY_QWEN3, served_engine
 from tidal.rollout.http_client import SGLangClient
@@ -173,13 +174,17 @@ def test_generate_matches_local_model_and_parses_as_sglang(engine, local):
             )
             info = await client.model_info()
             API.GetModelInfoResponse.from_json_value(info)
-            API.GetServerInfoResponse.from_json_value(await client.server_info())
-            return prompts, results, info
+            server_info = await client.server_info()
+            API.GetServerInfoResponse.from_json_value(server_info)
+            return prompts, results, info, server_info
         finally:
             await client.close()
 
-    prompts, results, info = run(go())
+    prompts, results, info, server_info = run(go())
     assert info["weight_version"] == "default" and info["model_type"] == "qwen3"
+    # one intra-op thread (the fixture's num_threads=1): the served tokens come from the native step
+    step = server_info["internal_states"][0]["cpu_step"]
+    assert step.startswith("native" if native_step.load()[0] is not None else "torch"), step
     for prompt, res in zip(prompts, results, strict=True):
         parse_generate(res.raw)
         assert res.output_ids == greedy_reference(lm, prompt, 12)
