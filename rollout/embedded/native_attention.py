@@ -3,16 +3,17 @@
 A decode step's attention is one query per row against that row's cache. PyTorch runs it as two batched
 matmuls of ``rows x kv_heads`` tiny GEMMs (``[group x dim] @ [dim x length]``), whose per-matrix packing
 costs more than the arithmetic: on the default job's model at batch 64 that was about half of the whole
-step. This kernel walks each (row, K/V head) once: the query heads of the group dot eight keys at a time
-(one horizontal-add tree per eight keys), a softmax in fp32, then the probabilities times the values,
-reading the KV pool in place (``[slots, kv_heads, max_seq_len, dim]``, rows are slots ``0..rows-1``, row
+step. This kernel walks each (row, K/V head) once: each block of eight keys is read once for all query
+heads of the group (one horizontal-add tree per head and block), a softmax in fp32 per head, then each
+value row is read once for all of them, reading the KV pool in place (``[slots, kv_heads, max_seq_len, dim]``, rows are slots ``0..rows-1``, row
 ``r`` attends its first ``lengths[r]`` positions). fp32 only; the sums run in another order than the
 matmuls', so results agree with them to rounding (~1e-7), not bit for bit.
 
-The source below is built by ``native_build.py`` (compiled once with the system C compiler, per instruction
-set, cached, loaded with ctypes, which releases the GIL for the call); ``native_step.py`` compiles it into
-its own library too, where the whole decode step calls :c:func:`head`. Where it cannot be built (no AVX2,
-no compiler, not x86-64, a failed build) :func:`load` says why and the engine keeps PyTorch's matmuls.
+The source below is compiled into ``native_step.py``'s library (``native_build.py``: once with the system C
+compiler, per instruction set, cached, loaded with ctypes, which releases the GIL for the call), where the
+whole decode step calls :c:func:`head` and the PyTorch-ops step calls ``tidal_decode_attention``. Where it
+cannot be built (no AVX2, no compiler, not x86-64, a failed build) :func:`load` says why and the engine
+keeps PyTorch's matmuls.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ import ctypes
 from functools import cache
 
 import torch
-
-from tidal.rollout.embedded import native_build
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 SOURCE = r"""
@@ -197,8 +196,12 @@ int tidal_decode_attention(const float *q, int64_t q_row_stride, const float *K,
 
 @cache
 def load() -> tuple[ctypes._CFuncPtr | None, str]:
-    """The compiled kernel, or None and why not (the reason is shown in the engine's /server_info)."""
-    lib, how = native_build.load(SOURCE)
+    """The compiled kernel, or None and why not (the reason is shown in the engine's /server_info).
+
+    The native step's library holds this source too, so one build serves both."""
+    from tidal.rollout.embedded import native_step  # it imports this module for SOURCE
+
+    lib, how = native_step.load()
     if lib is None:
         return None, how
     fn = lib.tidal_decode_attention

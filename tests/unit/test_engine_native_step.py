@@ -209,7 +209,8 @@ def test_native_step_reads_no_scratch_it_did_not_write(rows):
 
 
 @pytest.mark.skipif(
-    native_build.host_isa()[0] != "avx512", reason="the fallback is from the AVX-512 build (not this CPU's)"
+    native_build.host_isa()[0] != "avx512",
+    reason="the fallback is from the AVX-512 build, not the one picked here (the CPU, or TIDAL_NATIVE_ISA)",
 )
 def test_a_failed_avx512_build_falls_back_to_the_avx2_build(monkeypatch):
     real = native_build._load.__wrapped__
