@@ -341,7 +341,13 @@ def _synchronize(device: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes-mb", type=float, nargs="+", default=[10, 100, 500, 2000])
+    p.add_argument(
+        "--sizes-mb",
+        type=float,
+        nargs="*",
+        default=[10, 100, 500, 2000],
+        help="model sizes (none: only --fixed-cost)",
+    )
     p.add_argument(
         "--fixed-cost",
         action="store_true",
@@ -398,6 +404,8 @@ def main() -> int:
     )
     args = p.parse_args()
     _check_devices(p, args)
+    if not args.sizes_mb and not args.fixed_cost:
+        p.error("nothing to measure: give --sizes-mb MB [MB ...] or --fixed-cost")
 
     if args.tp > 1 and "RANK" not in os.environ:  # run this script under torchrun, one rank per TP shard
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.tp}"]
