@@ -18,7 +18,7 @@ from tidal.rollout.config import EmbeddedEngineConfig
 from tidal.rollout.embedded.model import NamedTensorLoader, WeightLoadError, build_model
 from tidal.rollout.embedded.sampling import SamplingParams
 from tidal.rollout.embedded.scheduler import Request, Scheduler
-from tidal.rollout.embedded.weights import WeightReceiver, WeightUpdateError
+from tidal.rollout.embedded.weights import WeightReceiver, WeightUpdateError, load_all
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 
@@ -209,7 +209,7 @@ class EmbeddedEngine:
             ) as received:
 
                 def load() -> None:
-                    self.loader.load(received)  # checks every name and shape before it writes any
+                    load_all(self.loader, received)  # checks every name and shape before it writes any
                     if weight_version is not None:
                         self.scheduler.set_version(weight_version)
 

@@ -30,6 +30,17 @@ class WeightUpdateError(ValueError):
     pass
 
 
+def load_all(loader, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Copy received ``tensors`` into the model through ``loader`` (a ``NamedTensorLoader``): every name and
+    shape is checked before anything is written, then one multi-tensor copy (on CUDA a few kernels instead
+    of a launch per tensor; a bucket holds hundreds)."""
+    loader.check(tensors)
+    if not tensors:
+        return
+    with torch.no_grad():
+        torch._foreach_copy_([loader.resolve(name) for name, _ in tensors], [t for _, t in tensors])
+
+
 class WeightReceiver:
     def __init__(self, device: torch.device | str, timeout_s: float):
         self.device = torch.device(device)
