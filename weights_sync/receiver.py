@@ -268,7 +268,7 @@ class WeightReceiver:
                     if dst is not None
                 )
                 buffered = [r for r, dst in enumerate(dsts) if dst is None]
-                buf, views = self._buffered(slot, spec, runs, offsets, dsts)
+                buf, views = self._buffered(slot, spec, runs, offsets, dtypes_, dsts)
                 # the next bucket's turn starts once these receives are posted, not once they are done
                 receives = _Receives(state, dsts)
             except BaseException:
@@ -303,6 +303,7 @@ class WeightReceiver:
         spec: bucket.BucketSpec,
         runs: list[tuple[int, int]],
         offsets: list[int],
+        dtypes: list[torch.dtype],
         dsts: list[torch.Tensor | None],
     ) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
         """Lay the segments that are not received in place (``dsts[r] is None``) out in ``slot``'s buffer and
@@ -321,11 +322,16 @@ class WeightReceiver:
             first, end = runs[r]
             dsts[r] = buf[at : at + offsets[end] - offsets[first]]
             shift = at - offsets[first]
-            for i in range(first, end):
-                dtype, shape = bucket._dtype(spec.dtypes[i]), spec.shapes[i]
-                views.append(
-                    (spec.names[i], buf[shift + offsets[i] : shift + offsets[i + 1]].view(dtype).view(shape))
-                )
+            i = first
+            while i < end:  # one typed view and one split per run of a dtype: hundreds of tensors a bucket
+                j = i + 1
+                while j < end and dtypes[j] == dtypes[i]:
+                    j += 1
+                typed = buf[shift + offsets[i] : shift + offsets[j]].view(dtypes[i])
+                sizes = [(offsets[k + 1] - offsets[k]) // dtypes[i].itemsize for k in range(i, j)]
+                for k, part in zip(range(i, j), typed.split(sizes), strict=True):
+                    views.append((spec.names[k], part.view(spec.shapes[k])))
+                i = j
         return buf, views
 
     def receive_tensors(

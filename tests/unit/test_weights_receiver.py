@@ -216,3 +216,29 @@ def test_only_the_segments_not_received_in_place_take_room_each_keeping_its_alig
     assert torch.equal(into, middle)
     held = receiver._state("g").slots[0].buffer
     assert held.numel() == 12  # head at 0, tail at 4 (2004 modulo 16 is 4): 12 bytes, not the bucket's 2012
+
+
+def test_a_bucket_mixing_dtypes_and_an_empty_tensor_is_yielded_bitwise(pair):
+    sender, receiver = pair
+    items = [
+        ("a", torch.randn(3, 2).bfloat16()),
+        ("b", torch.randn(6).bfloat16()),  # bf16 up to byte 24: the float32 tensors stay aligned
+        ("c", torch.randn(2, 5)),
+        ("empty", torch.randn(0, 4)),
+        ("d", torch.randint(0, 100, (3,))),
+    ]
+    buf, spec = bucket.pack(items)
+    got = {}
+
+    def handler():
+        with receiver.receive(
+            names=spec.names, dtypes=spec.dtypes, shapes=spec.shapes, group_name="g", seq=0
+        ) as tensors:
+            got.update((n, t.clone()) for n, t in tensors)
+
+    with ThreadPoolExecutor(1) as pool:
+        done = pool.submit(handler)
+        sender.broadcast(buf.clone(), src=0)
+        done.result(timeout=30)
+    assert list(got) == [n for n, _ in items]
+    assert all(got[n].dtype == t.dtype and torch.equal(got[n], t) for n, t in items)
