@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
-import os
 import shutil
 import statistics
 import sys
@@ -55,7 +54,7 @@ from tidal.broker.types import Group, Sample
 from tidal.procs import free_port, stop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from proc_stats import cpu_seconds, status_kib, thread_cpu_seconds  # noqa: E402
+from proc_stats import HostWindow, cpu_seconds, status_kib, thread_cpu_seconds  # noqa: E402
 
 PRODUCERS = 2
 BATCH_WAIT_S = 120.0  # a consumer that gets no batch this long gives up (a producer died)
@@ -86,51 +85,6 @@ def raw_frame(arrays: dict[str, np.ndarray]) -> bytes:
     return msgpack.packb(
         {**{k: v.tobytes() for k, v in arrays.items()}, "dtype": "<i4,<f4,<i4", "meta": META}
     )
-
-
-# ------------------------------------------------------------------------------------- host counters
-def host_cpu() -> tuple[float, float]:
-    """(busy, total) CPU seconds of the whole host so far, all cores (/proc/stat)."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    total = sum(fields[:8])  # guest time is already counted in user
-    tick = os.sysconf("SC_CLK_TCK")
-    return (total - idle) / tick, total / tick
-
-
-def disk_bytes(path: Path) -> tuple[int, int]:
-    """(read, written) bytes so far of the block device holding ``path`` (/proc/diskstats; 0 where the
-    device is not listed, e.g. tmpfs)."""
-    dev = os.stat(path).st_dev
-    for line in Path("/proc/diskstats").read_text().splitlines():
-        f = line.split()
-        if (int(f[0]), int(f[1])) == (os.major(dev), os.minor(dev)):
-            return int(f[5]) * 512, int(f[9]) * 512
-    return 0, 0
-
-
-class HostWindow:
-    """What the host did during one run: cores busy (everything, not only this run's processes), and the
-    journal device's read and write rates. With both cores busy a run is CPU-bound; otherwise its
-    processes wait (for each other, or for the device)."""
-
-    def __init__(self, workdir: Path):
-        self.workdir = workdir
-        self.cpu0, self.disk0, self.t0 = host_cpu(), disk_bytes(workdir), time.perf_counter()
-
-    def stop(self) -> None:
-        self.cpu1, self.disk1, self.t1 = host_cpu(), disk_bytes(self.workdir), time.perf_counter()
-
-    def result(self, own_cpu_s: float) -> dict[str, float]:
-        """Cores busy on the host and used by this run's processes (``own_cpu_s``), disk MB/s."""
-        elapsed = self.t1 - self.t0
-        return {
-            "host_busy_cores": round((self.cpu1[0] - self.cpu0[0]) / elapsed, 2),
-            "run_cores": round(own_cpu_s / elapsed, 2),
-            "host_cores": round((self.cpu1[1] - self.cpu0[1]) / elapsed, 2),
-            "disk_read_mb_s": round((self.disk1[0] - self.disk0[0]) / elapsed / 1e6, 1),
-            "disk_write_mb_s": round((self.disk1[1] - self.disk0[1]) / elapsed / 1e6, 1),
-        }
 
 
 # ------------------------------------------------------------------------------------------- raw pyzmq
