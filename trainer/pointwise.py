@@ -71,6 +71,11 @@ def compiled(fn: Callable) -> Callable:
     return c
 
 
+def _run(fn: Callable, *args):
+    """``fn(*args)``, compiled when the chain's first tensor asks for it (:func:`wants_compiled`)."""
+    return (compiled(fn) if wants_compiled(args[0]) else fn)(*args)
+
+
 def _swiglu(x: torch.Tensor) -> torch.Tensor:
     gate, up = torch.chunk(x, 2, dim=-1)
     return F.silu(gate) * up
@@ -109,20 +114,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, eager: Callable)
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[..., :F]) * x[..., F:]`` (megatron's gated linear unit with silu)."""
-    fn = compiled(_swiglu) if wants_compiled(x) else _swiglu
-    return fn(x)
+    return _run(_swiglu, x)
 
 
 def swiglu_parts(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for a gate and an up projection already apart."""
-    fn = compiled(_swiglu_parts) if wants_compiled(gate) else _swiglu_parts
-    return fn(gate, up)
+    return _run(_swiglu_parts, gate, up)
 
 
 def rotate(t: torch.Tensor, cos_: torch.Tensor, sin_: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """Rotary embedding of the whole head dimension: ``t * cos + rotate_half(t) * sin``."""
-    fn = compiled(_rotate) if wants_compiled(t) else _rotate
-    return fn(t, cos_, sin_, interleaved)
+    return _run(_rotate, t, cos_, sin_, interleaved)
 
 
 def bias_swiglu_impl(x, bias, fp8_input_store=False, cpu_offload_input=False):
@@ -147,8 +149,7 @@ def weighted_bias_swiglu_impl(x, bias, weights, fp8_input_store=False):
         from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl as megatrons
 
         return megatrons(x, bias, weights, fp8_input_store)
-    fn = compiled(_weighted_swiglu) if wants_compiled(x) else _weighted_swiglu
-    return fn(x, weights)
+    return _run(_weighted_swiglu, x, weights)
 
 
 def install(mode: str) -> None:
