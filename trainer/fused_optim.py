@@ -139,16 +139,16 @@ class _BatchedShardCopies:
     def __init__(self, opt):
         self.opt = opt
         self._key = None
-        self._grad_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._param_src: list[torch.Tensor] = []
-        self._param_dst: list[torch.Tensor] = []
+        self._shards: list[torch.Tensor] = []  # fp32 master shards
+        self._grads: list[torch.Tensor] = []  # each shard's view of the gradient buffer
+        self._params: list[torch.Tensor] = []  # each shard's view of the parameter buffer
 
     def _buffers_key(self):
         return tuple((b.grad_data.data_ptr(), b.param_data.data_ptr()) for b in self.opt.buffers)
 
     def _plan(self) -> None:
         opt = self.opt
-        self._grad_pairs, self._param_src, self._param_dst = [], [], []
+        self._shards, self._grads, self._params = [], [], []
         groups = (
             (opt.model_float16_groups, opt.shard_fp32_from_float16_groups),
             (opt.model_fp32_groups, opt.shard_fp32_groups),
@@ -158,12 +158,11 @@ class _BatchedShardCopies:
                 for model_param, shard in zip(model_group, shard_group, strict=True):
                     ranges = opt._get_model_param_range_map(model_param)
                     param_range, world_range = ranges["param"], ranges["gbuf_world_in_bucket"]
-                    grad = model_param.main_grad.view(-1)[param_range.start : param_range.end]
-                    self._grad_pairs.append((shard, grad))
                     gbuf_index, _, bucket_id = opt.model_param_gbuf_map[model_param]
                     param_data = opt.buffers[gbuf_index].buckets[bucket_id].param_data
-                    self._param_dst.append(param_data.view(-1)[world_range.start : world_range.end])
-                    self._param_src.append(shard)
+                    self._shards.append(shard)
+                    self._grads.append(model_param.main_grad.view(-1)[param_range.start : param_range.end])
+                    self._params.append(param_data.view(-1)[world_range.start : world_range.end])
         self._key = self._buffers_key()
 
     def _ensure_plan(self) -> None:
@@ -172,14 +171,14 @@ class _BatchedShardCopies:
 
     def copy_model_grads_to_main_grads(self) -> None:
         self._ensure_plan()
-        for shard, grad in self._grad_pairs:
+        for shard, grad in zip(self._shards, self._grads, strict=True):
             shard.grad = grad
 
     @torch.no_grad()
     def copy_main_params_to_model_params(self) -> None:
         self._ensure_plan()
-        if self._param_dst:
-            torch._foreach_copy_(self._param_dst, self._param_src)
+        if self._params:
+            torch._foreach_copy_(self._params, self._shards)
 
 
 def batch_shard_copies(optimizer) -> int:
