@@ -349,8 +349,36 @@ def profile_steps(label: str, run_step, args) -> dict:
     (args.profile / f"{slug}.txt").write_text("\n".join(lines) + "\n")
     if cuda:
         _write_operator_table(prof, args.profile / f"{slug}_ops.txt", per_step)
+        summary["idle"] = idle_profile(slug, run_step, args)
     print("\n".join(lines[:3]))
     return summary
+
+
+def idle_profile(slug: str, run_step, args) -> dict:
+    """The device's idle gaps and the host stacks they are charged to (benchmarks/gpu_idle.py), from two
+    traces: without stack recording (the idle time as timed) and with it (python frames, more host cost)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import gpu_idle
+
+    reports, text = {}, []
+    for with_stack in (False, True):
+        sync(args.device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=with_stack) as prof:
+            for _ in range(args.profile_steps):
+                run_step()
+            sync(args.device)
+        trace = args.profile / f"{slug}_trace.json"
+        prof.export_chrome_trace(str(trace))
+        report = gpu_idle.analyse(gpu_idle.load_events(trace), steps=args.profile_steps)
+        trace.unlink()
+        key = "with_stack" if with_stack else "plain"
+        reports[key] = report
+        text += [f"== {key} trace", gpu_idle.format_report(report, top=30), ""]
+    (args.profile / f"{slug}_idle.txt").write_text("\n".join(text))
+    print(text[1].splitlines()[0])
+    return reports
 
 
 def _write_operator_table(prof, path: Path, per_step: int) -> None:
