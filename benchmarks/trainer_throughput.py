@@ -13,7 +13,8 @@ model FLOPs utilisation: 6 * active parameters * tokens + causal attention, over
     python benchmarks/trainer_throughput.py --device cuda --size dense-1b --batch 2 --seq-len 4096 \
         --profile runs/bench/profile      # + the top-30 kernels of each implementation (text and JSON)
 
-``--attention``, ``--experts``, ``--logprobs``, ``--pointwise``, ``--adam`` and ``--multi-tensor`` set ``trainer.kernels`` (docs/trainer.md, "Kernels") to
+``--attention``, ``--experts``, ``--logprobs``, ``--pointwise``, ``--adam``, ``--grad-scale``, ``--wgrad`` and
+``--multi-tensor`` set ``trainer.kernels`` (docs/trainer.md, "Kernels") to
 compare each fast path with its reference; ``--impls tidal`` skips the baseline.
 """
 
@@ -121,6 +122,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--adam", choices=("auto", "fused", "foreach"), default="auto", help="trainer.kernels.adam"
+    )
+    p.add_argument(
+        "--grad-scale",
+        choices=("auto", "fused", "megatron"),
+        default="auto",
+        help="trainer.kernels.grad_scale",
+    )
+    p.add_argument(
+        "--wgrad", choices=("auto", "accumulate", "megatron"), default="auto", help="trainer.kernels.wgrad"
     )
     p.add_argument(
         "--multi-tensor",
@@ -258,6 +268,8 @@ def kernel_config(args):
         adam=args.adam,
         multi_tensor=args.multi_tensor,
         pointwise=args.pointwise,
+        grad_scale=args.grad_scale,
+        wgrad=args.wgrad,
     )
 
 

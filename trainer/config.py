@@ -119,6 +119,21 @@ class KernelConfig(BaseModel):
         description="the torch Adam inside megatron's optimizer (no Apex/TE): fused = torch's fused CUDA "
         "kernel; foreach = torch's default multi-tensor path; auto = fused when every parameter is on CUDA",
     )
+    grad_scale: Literal["auto", "fused", "megatron"] = Field(
+        "auto",
+        description="the per-token normalisation and the clip of the gradients before Adam: fused = norm on "
+        "the device, normalisation x clip coefficient handed to torch's fused Adam as its grad_scale (no host "
+        "sync, no pass over the gradients; needs the fused Adam, the foreach helpers and bf16/fp32); "
+        "megatron = megatron-core's multiply of the gradient buffer, host-side norm and clip; auto = fused "
+        "where it can run",
+    )
+    wgrad: Literal["auto", "accumulate", "megatron"] = Field(
+        "auto",
+        description="the weight-gradient products of megatron's linear layers: accumulate = one matmul that "
+        "adds into the fp32 main_grad (megatron's gradient_accumulation_fusion, without Apex: torch.addmm "
+        "with an fp32 output dtype, CUDA bf16/fp16); megatron = a bf16 product, then main_grad += it; auto = "
+        "accumulate on CUDA with bf16/fp16 parameters",
+    )
     multi_tensor: Literal["foreach", "megatron"] = Field(
         "foreach",
         description="gradient norm / scale / copy helpers of megatron's optimizer without Apex: foreach = "

@@ -19,7 +19,9 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from tidal.trainer import finalize
 from tidal.trainer.attention import cp_token_positions
+from tidal.trainer.device_step import device_step
 from tidal.trainer.losses import LossResult
 from tidal.trainer.metrics import StepStats
 from tidal.trainer.packing import MicroBatch
@@ -368,18 +370,26 @@ def train_step(
 
     if not forward_only:
         _prepare_optimizer(state)
+    finalize.install()
     tconfig.finalize_model_grads_func = finalize_model_grads
     tconfig.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+    fast_step = None
     if not forward_only:
         for chunk in chunks:
             chunk.zero_grad_buffer()
         state.optimizer.zero_grad()
+        fast_step = device_step(state, _kernels(chunks))
+        if fast_step is not None:
+            fast_step.arm()  # finalize_model_grads' 1 / tokens is kept for Adam, not multiplied in
     outputs = _run_schedule(
         chunks, local, loss_fn, with_entropy=with_entropy, forward_only=forward_only, temperature=temperature
     )
     grad_norm, ok = float("nan"), True
     if not forward_only:
-        ok, grad_norm, _ = state.optimizer.step()
+        if fast_step is not None:
+            ok, grad_norm = fast_step.step()
+        else:
+            ok, grad_norm, _ = state.optimizer.step()
         state.scheduler.step(increment=1)
         grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
     stats = _reduce_stats(outputs, device)

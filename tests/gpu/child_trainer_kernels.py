@@ -328,8 +328,80 @@ def train_step_checks() -> dict:
     return {"losses": losses, "adam_groups_fused": fused}
 
 
+def device_step_checks() -> dict:
+    """Three train steps per setting from the same initial model: the fused grad scale (normalisation x clip
+    applied inside fused Adam) and the accumulating weight-gradient product against megatron's own path.
+
+    The relative update error is |update - reference update| / |reference update| over all parameters."""
+    from tidal.trainer.config import LossConfig, OptimizerConfig
+    from tidal.trainer.optimizer import build_train_state
+    from tidal.trainer.step import train_step
+    from tidal.trainer.synthetic import make_loss, plan, synthetic_groups
+
+    model = ModelConfig(family="qwen3", **SHAPE)
+    parallel.init_parallel(MeshConfig(), model, seed=0)
+    groups = synthetic_groups(
+        vocab_size=model.vocab_size,
+        groups=8,
+        group_size=4,
+        prompt_len=(16, 48),
+        response_len=(16, 96),
+        seed=0,
+    )
+    minibatch = plan(groups, dp_size=1, max_tokens=2048, pad_multiple=8)
+    loss_fn = make_loss("sft", LossConfig(kind="sft"), minibatch.normalizer, 0)
+
+    def run(grad_scale: str, wgrad: str) -> dict:
+        tconfig = models.transformer_config(model, MeshConfig(), bf16=True)
+        kernels = KernelConfig(grad_scale=grad_scale, wgrad=wgrad)
+        chunks = models.build_model(model, tconfig, seed=1, kernels=kernels)
+        # clip at 0.05: the initial gradients' norm is far above it, so the clip coefficient is exercised
+        state = build_train_state(chunks, tconfig, OptimizerConfig(lr=1e-3, clip_grad=0.05), total_steps=3)
+        before = torch.cat([p.detach().float().flatten() for p in chunks[0].parameters()])
+        results = [train_step(state, minibatch.micro_batches(0), loss_fn) for _ in range(3)]
+        after = torch.cat([p.detach().float().flatten() for p in chunks[0].parameters()])
+        return {
+            "losses": [r.loss for r in results],
+            "grad_norms": [r.grad_norm for r in results],
+            "update": after - before,
+            "device_step": getattr(state, "_tidal_device_step", None) is not None,
+            "fusion": bool(tconfig.gradient_accumulation_fusion),
+        }
+
+    megatron = run("megatron", "megatron")
+    scaled = run("fused", "megatron")
+    fused = run("fused", "accumulate")
+
+    def compare(got: dict) -> dict:
+        ref_update = megatron["update"]
+        return {
+            "first_loss_equal": got["losses"][0] == megatron["losses"][0],
+            "loss_rel": max(
+                abs(a - b) / abs(b) for a, b in zip(got["losses"], megatron["losses"], strict=True)
+            ),
+            "grad_norm_rel": max(
+                abs(a - b) / b for a, b in zip(got["grad_norms"], megatron["grad_norms"], strict=True)
+            ),
+            "update_rel": ((got["update"] - ref_update).norm() / ref_update.norm()).item(),
+            "device_step": got["device_step"],
+            "fusion": got["fusion"],
+        }
+
+    return {
+        "reference": {
+            "grad_norms": megatron["grad_norms"],
+            "device_step": megatron["device_step"],
+            "fusion": megatron["fusion"],
+            "clip": 0.05,
+        },
+        "grad_scale": compare(scaled),
+        "grad_scale_and_wgrad": compare(fused),
+    }
+
+
 def main() -> None:
     results = {
+        "device_step": device_step_checks(),
         "attention": attention_checks(),
         "experts": experts_timing(),
         "dense_model": dense_model_checks(),
