@@ -40,8 +40,11 @@ from tidal.weights_sync import bucket, transport
 
 # What a receiver built on this module answers in ``/init_weights_update_group`` (tidal's extensions):
 # ``ordered_buckets``: the sender may pipeline announcements that carry ``bucket_seq``;
-# ``bucket_segments``: a bucket may come as several broadcasts (``segments``: tensors per broadcast).
-DECLARED_EXTENSIONS = {"ordered_buckets": True, "bucket_segments": True}
+# ``bucket_segments``: a bucket may come as several broadcasts (``segments``: tensors per broadcast);
+# ``pause_in_update``: ``/begin_weight_update`` takes ``pause_mode`` (pauses generation first, as
+# ``/pause_generation`` would) and ``/end_weight_update`` takes ``continue_generation: true`` (continues it
+# after), so opening and closing an update cost one round trip each instead of two.
+DECLARED_EXTENSIONS = {"ordered_buckets": True, "bucket_segments": True, "pause_in_update": True}
 
 # ``target(name, shape, dtype)``: the engine's own tensor that ``name`` is received into in place, or None
 Target = Callable[[str, list[int], torch.dtype], torch.Tensor | None]

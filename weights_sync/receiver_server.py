@@ -115,6 +115,7 @@ def build_app(timeout_s: float = 60.0) -> FastAPI:
 
     @app.post("/begin_weight_update")
     def begin(body: dict[str, Any]):
+        # no generation to pause (``pause_mode``, tidal's pause_in_update, is accepted as a no-op)
         state["open"] = True
         return ok()
 
@@ -122,7 +123,7 @@ def build_app(timeout_s: float = 60.0) -> FastAPI:
     def end(body: dict[str, Any]):
         if not state["open"]:
             return _fail("end_weight_update without begin_weight_update")
-        state["open"] = False
+        state["open"] = False  # nothing to continue (``continue_generation``)
         return ok()
 
     @app.post("/pause_generation")

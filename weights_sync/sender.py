@@ -32,7 +32,8 @@ import torch.distributed as dist
 from tidal.procs import free_port
 from tidal.weights_sync import bucket, segments, transport
 from tidal.weights_sync.config import WeightSyncConfig
-from tidal.weights_sync.engine_api import EngineEndpoint, EngineError, EngineWeightsClient
+from tidal.weights_sync.engine_api import Announcement, EngineEndpoint, EngineError, EngineWeightsClient
+from tidal.weights_sync.sync_plan import SyncPlan
 
 TensorSource = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 
@@ -131,9 +132,11 @@ class WeightSender:
         self._group_engines: list[str] = []
         self._ordered = False  # every engine of the group receives in bucket_seq order
         self._segmented = False  # ... and takes a bucket as several broadcasts (bucket_segments)
+        self._declared: dict[str, frozenset[str]] = {}  # each engine's extensions (init_weights_update_group)
         self._seq = itertools.count()
         self._generation = itertools.count()
         self._staging: list[torch.Tensor | None] = [None, None]
+        self._plan = SyncPlan()  # the buckets of the last sync, replayed by the next one
         # announcements to engines stuck in a receive may hold a worker until they time out
         self._pool = ThreadPoolExecutor(
             max_workers=max(16, 4 * len(engines)), thread_name_prefix="weights-http"
@@ -185,6 +188,7 @@ class WeightSender:
         self._group.destroy()
         self._group, self._group_engines = None, []
         self._ordered = self._segmented = False
+        self._declared = {}
 
     def _connect(self, report: SyncReport) -> None:
         """(Re)build the weight-update group over the engines that answer."""
@@ -232,6 +236,7 @@ class WeightSender:
         failed = _settle(futures, self.config.timeout_s)
         self._group, self._group_engines = group, urls
         declared = [f.result() for f in futures.values()] if not failed else []
+        self._declared = {u: f.result() for u, f in futures.items()} if not failed else {}
         self._ordered = bool(declared) and all("ordered_buckets" in d for d in declared)
         self._segmented = self._ordered and all("bucket_segments" in d for d in declared)
         self._seq = itertools.count()  # bucket_seq restarts with each group
@@ -290,23 +295,31 @@ class WeightSender:
 
     def _start_on_all(self, what: str) -> _Calls:
         """Open (``begin``: /pause_generation, then /begin_weight_update) or close (``end``:
-        /end_weight_update, then /continue_generation) the update on every engine, one thread per engine.
-        (Sending each pair at once measured no faster: an engine's event loop handles them one by one.)"""
+        /end_weight_update, then /continue_generation) the update on every engine, one thread per engine;
+        an engine that declared ``pause_in_update`` gets each pair as one call. (Sending each pair at once
+        measured no faster: an engine's event loop handles them one by one.)"""
         pause_mode = self.pause_mode
 
-        def call(client: EngineWeightsClient) -> None:
+        def call(client: EngineWeightsClient, combined: bool) -> None:
             if what == "begin":
+                if combined:
+                    client.begin(pause_mode=pause_mode)
+                    return
                 if pause_mode:
                     client.pause(pause_mode)
                 client.begin()
             else:
+                if combined:
+                    client.end(resume=True)
+                    return
                 client.end()
                 if pause_mode:
                     client.resume()
 
         calls = _Calls(what, time.perf_counter())
         for u, c in self._clients.items():
-            calls.add(u, self._pool.submit(call, c))
+            combined = bool(pause_mode) and "pause_in_update" in self._declared.get(u, ())
+            calls.add(u, self._pool.submit(call, c, combined))
         return calls
 
     def _settle_calls(self, calls: _Calls, report: SyncReport) -> _Failed | None:
@@ -357,11 +370,14 @@ class WeightSender:
         sender.start()
         first_bytes, bucket_bytes = self.config.bucket_sizes(self.backend)
         own_bytes = self.config.own_broadcast_bytes if self._segmented else None
-        if own_bytes is None:
-            buckets = bucket.stream_buckets(tensors, bucket_bytes, first_bytes)
-        else:  # tensors sent from their own memory count only against the bucket's size in all
-            buckets = bucket.stream_buckets(
-                tensors,
+        max_bytes = self.config.segmented_bytes(self.backend) if own_bytes is not None else None
+
+        def stream(items):
+            if own_bytes is None:
+                return bucket.stream_buckets(items, bucket_bytes, first_bytes)
+            # tensors sent from their own memory count only against the bucket's size in all
+            return bucket.stream_buckets(
+                items,
                 bucket_bytes,
                 first_bytes,
                 packed=lambda t: (
@@ -369,8 +385,13 @@ class WeightSender:
                         isinstance(t, torch.Tensor) and t.is_contiguous() and segments.nbytes(t) >= own_bytes
                     )
                 ),
-                max_bytes=self.config.segmented_bytes(self.backend),
+                max_bytes=max_bytes,
             )
+
+        # the first sync plans its buckets and records them; later ones replay the record
+        buckets = self._plan.buckets(
+            tensors, (first_bytes, bucket_bytes, own_bytes, max_bytes), stream, own_bytes
+        )
         it = iter(buckets)
 
         def opened() -> bool:
@@ -383,16 +404,10 @@ class WeightSender:
             return not errors
 
         try:
-            for items in it:
+            for items, recipe, spans in it:
                 if errors:
                     break
                 t0 = time.perf_counter()
-                runs = segments.plan(items, own_bytes)
-                spec = segments.spec([item for _, run in runs for item in run])  # the broadcasts' order
-                # tensors per broadcast (only to engines that take segments), whenever there are several
-                # broadcasts or one from a tensor's own memory (the engine may then receive it in place)
-                several = len(runs) > 1 or runs[0][0] is not None
-                counts = [len(run) for _, run in runs] if several else None
                 announced = None
                 early = opening is None or opening.done()  # else: pack while the update opens
                 if window > 1 and not self.config.verify_checksums and early:
@@ -400,9 +415,9 @@ class WeightSender:
                     # broadcast finds them ready (a checksum can only be announced once packed)
                     if not opened():
                         break
-                    announced = self._announce(group, spec, None, version, counts)
+                    announced = self._announce(group, recipe.announcement, None, version)
                 report.pack_s += time.perf_counter() - t0
-                need = sum(segments.nbytes(t) for own, run in runs if own is None for _, t in run)
+                need = recipe.need
                 # a bucket with nothing to pack takes no staging buffer: the next one's pack need not wait
                 taken = need > 0
                 staging = None
@@ -413,14 +428,7 @@ class WeightSender:
                     if staging is None or staging.numel() < need:
                         staging = torch.empty(max(need, bucket_bytes), dtype=torch.uint8, device=self.device)
                 t0 = time.perf_counter()
-                payload, offset = [], 0  # the bucket's broadcasts, in order
-                for own, run in runs:
-                    if own is not None:  # sent from its own memory: nothing to copy
-                        payload.append(own)
-                        continue
-                    n = sum(segments.nbytes(t) for _, t in run)
-                    payload.append(bucket.pack(run, out=staging[offset : offset + n])[0])
-                    offset += n
+                payload = recipe.payload(items, spans, staging)  # the bucket's broadcasts, in order
                 crc = bucket.checksum(payload) if self.config.verify_checksums else None
                 packed = None
                 if cuda:
@@ -432,8 +440,10 @@ class WeightSender:
                         free.put((staging, None))
                     break
                 if window > 1 and announced is None:
-                    announced = self._announce(group, spec, crc, version, counts)
-                _hand_over(ready, (taken, staging, payload, spec, crc, counts, announced, packed), sender)
+                    announced = self._announce(group, recipe.announcement, crc, version)
+                _hand_over(
+                    ready, (taken, staging, payload, recipe.announcement, crc, announced, packed), sender
+                )
         finally:
             _hand_over(ready, None, sender)
             sender.join()
@@ -445,23 +455,20 @@ class WeightSender:
         return errors[0] if errors else None
 
     def _announce(
-        self, group, spec: bucket.BucketSpec, crc: int | None, version: int, segments: list[int] | None
+        self, group, announcement: Announcement, crc: int | None, version: int
     ) -> dict[str, Future]:
         """POST the bucket's ``/update_weights_from_distributed`` to every engine (replies come after its load)."""
         seq = next(self._seq) if self._ordered else None
         clients = {u: self._clients.get(u) for u in self._group_engines}  # one may be dropped meanwhile
         return {
             u: self._pool.submit(
-                client.update_bucket,
-                names=spec.names,
-                dtypes=spec.dtypes,
-                shapes=spec.shapes,
+                client.announce,
+                announcement,
                 group_name=group.name,
                 weight_version=str(version),
                 flush_cache=True,
                 checksum=crc,
                 seq=seq,
-                segments=segments,
             )
             for u, client in clients.items()
             if client is not None
@@ -475,14 +482,14 @@ class WeightSender:
             torch.cuda.set_device(self.device)  # the current device is per thread
             stream = torch.cuda.Stream(self.device)
         while (item := ready.get()) is not None:
-            taken, staging, payload, spec, crc, segments, announced, packed = item
+            taken, staging, payload, announcement, crc, announced, packed = item
             sent = None
             nbytes = sum(part.numel() for part in payload)
             if not errors:
                 t0 = time.perf_counter()
                 try:
                     if announced is None:
-                        announced = self._announce(group, spec, crc, version, segments)
+                        announced = self._announce(group, announcement, crc, version)
                     if stream is not None:
                         stream.wait_event(packed)
                         for part in payload:

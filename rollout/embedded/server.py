@@ -75,6 +75,16 @@ class InitGroupBody(_Body):
     backend: str = "nccl"
 
 
+class BeginUpdateBody(_Body):
+    # tidal's pause_in_update extension: pause generation first, as /pause_generation would
+    pause_mode: Literal["abort", "retract", "in_place"] | None = None
+
+
+class EndUpdateBody(_Body):
+    # tidal's pause_in_update extension: continue generation after, as /continue_generation would
+    continue_generation: bool = False
+
+
 class DestroyGroupBody(_Body):
     group_name: str = "weight_update_group"
 
@@ -260,13 +270,19 @@ def create_app(engine: EmbeddedEngine, *, host: str = "", port: int = 0) -> Fast
         return result(True, f"Succeeded to destroy group {body.group_name}.")
 
     @app.post("/begin_weight_update")
-    async def begin_weight_update(body: _Body | None = None) -> JSONResponse:
+    async def begin_weight_update(body: BeginUpdateBody | None = None) -> JSONResponse:
+        if body is not None and body.pause_mode is not None:
+            await engine.pause(body.pause_mode)
         engine.in_weight_update = True
         return result(True, "Weight update session opened.")
 
     @app.post("/end_weight_update")
-    async def end_weight_update(body: _Body | None = None) -> JSONResponse:
+    async def end_weight_update(body: EndUpdateBody | None = None) -> JSONResponse:
         engine.in_weight_update = False
+        if body is not None and body.continue_generation:
+            if (released := memory_released(engine)) is not None:
+                return result(False, released)
+            await engine.resume()
         return result(True, "Weight update session closed.")
 
     @app.post("/update_weights_from_distributed")

@@ -184,10 +184,14 @@ class EmbeddedEngine:
         straight into its weight while generation is paused inside a weight update.
         """
 
+        def paused_in_update() -> bool:
+            """Nothing reads the weights: generation is paused inside a weight update."""
+            return self.in_weight_update and self.scheduler.paused is not None
+
         def in_place_target():
             # only while nothing reads the weights, and only if the whole bucket is known: a bad one is
             # received into the buffer and refused before anything is written
-            if checksum is not None or not self.in_weight_update or self.scheduler.paused is None:
+            if checksum is not None or not paused_in_update():
                 return None
             try:  # shapes only (no meta tensors: this runs per tensor before the receives are posted)
                 self.loader.check([(n, _Announced(s)) for n, s in zip(names, shapes, strict=True)])
@@ -213,6 +217,11 @@ class EmbeddedEngine:
                     if weight_version is not None:
                         self.scheduler.set_version(weight_version)
 
+                if paused_in_update() and weight_version in (None, self.scheduler.weight_version):
+                    # nothing to hand to the scheduler thread (the version is set; only it may change
+                    # that): loaded here, without two thread hops on the sync's critical path
+                    load_all(self.loader, received)
+                    return
                 self.scheduler.call(load, drain=True).result()  # the buffer is reused once this returns
 
         async def update() -> None:

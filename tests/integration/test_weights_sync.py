@@ -145,11 +145,11 @@ def test_the_update_opens_while_the_first_tensors_are_gathered(receivers, checkp
     for client in sender._clients.values():
         real_begin = client.begin
 
-        def begin(real_begin=real_begin):
+        def begin(real_begin=real_begin, **kwargs):
             # the real call, held until the first tensor is taken: at once with the overlap, else a second
             # passes (then the source is not read until the update is open)
             taken_before_begin.append(first_tensor_taken.wait(timeout=10 if stages == 1 else 1))
-            real_begin()
+            real_begin(**kwargs)
 
         client.begin = begin
 

@@ -136,3 +136,40 @@ def test_an_idle_connection_is_not_reused_after_the_servers_keep_alive_could_hav
         assert len(server.peers) == 2
     finally:
         client.close()
+
+
+def test_an_engine_that_declared_pause_in_update_is_opened_and_closed_with_one_call_each(server):
+    """SGLang's sequence (pause, begin ... end, continue) unless the engine declared ``pause_in_update`` in its
+    /init_weights_update_group reply; then begin carries the pause and end the continue."""
+    from tidal.weights_sync.config import WeightSyncConfig
+    from tidal.weights_sync.sender import SyncReport, WeightSender
+
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    sender = WeightSender(WeightSyncConfig(timeout_s=5), [EngineEndpoint(url)])
+    try:
+        for declared, want in [
+            (
+                frozenset({"ordered_buckets"}),  # SGLang-like: every call of its own, in SGLang's order
+                [
+                    ("/pause_generation", {"mode": "in_place"}),
+                    ("/begin_weight_update", {}),
+                    ("/end_weight_update", {}),
+                    ("/continue_generation", {}),
+                ],
+            ),
+            (
+                frozenset({"ordered_buckets", "pause_in_update"}),
+                [
+                    ("/begin_weight_update", {"pause_mode": "in_place"}),
+                    ("/end_weight_update", {"continue_generation": True}),
+                ],
+            ),
+        ]:
+            server.bodies.clear()
+            sender._declared = {url: declared}
+            report = SyncReport(version=0)
+            assert sender._settle_calls(sender._start_on_all("begin"), report) is None
+            assert sender._settle_calls(sender._start_on_all("end"), report) is None
+            assert server.bodies == want
+    finally:
+        sender.close()
