@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import shutil
 import statistics
 import sys
@@ -226,6 +227,7 @@ class BrokerOptions:
     batch_groups: int = BrokerConfig().batch_groups
     wait_acks: bool = False
     journal_reads: bool = True
+    memory_reads: bool = True  # the consumer copies batches out of the broker's memory (else the journal)
     request_leases: bool = False
     # The consumer publishes a policy version after each batch, as the trainer does after each step, and
     # the broker admits by its staleness bound (this eta; "keep": nothing is dropped): the groups held
@@ -234,17 +236,25 @@ class BrokerOptions:
     max_staleness: int | None = BrokerConfig().max_staleness
     wait_reports: bool = False  # the consumer waits for each report_consumed / publish_version reply
     extra: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # extra environment of the broker process
 
 
-def run_broker(
-    tokens: int, n: int, workdir: Path, opts: BrokerOptions
-) -> tuple[float, int, dict[str, float], dict[str, float]]:
-    groups_total = n // opts.group_size
-    per_producer = groups_total // PRODUCERS
-    batch_groups = max(1, min(opts.batch_groups, per_producer))
-    run_dir = Path(tempfile.mkdtemp(prefix=f"broker{tokens}-", dir=workdir))
-    publish = opts.max_staleness is not None
-    proc, address = start_broker(
+def _start(run_dir: Path, groups_total: int, batch_groups: int, publish: bool, opts: BrokerOptions):
+    """The broker process, with ``opts.env`` added to its environment (start_broker takes none)."""
+    saved = {k: os.environ.get(k) for k in opts.env}
+    os.environ.update(opts.env)
+    try:
+        return _start_broker(run_dir, groups_total, batch_groups, publish, opts)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _start_broker(run_dir: Path, groups_total: int, batch_groups: int, publish: bool, opts: BrokerOptions):
+    return start_broker(
         run_dir,
         groups_total + 8,
         port=free_port(),
@@ -255,8 +265,20 @@ def run_broker(
         max_frame_bytes=1 << 30,
         **opts.extra,
     )
+
+
+def run_broker(
+    tokens: int, n: int, workdir: Path, opts: BrokerOptions
+) -> tuple[float, int, dict[str, float], dict[str, float]]:
+    groups_total = n // opts.group_size
+    per_producer = groups_total // PRODUCERS
+    batch_groups = max(1, min(opts.batch_groups, per_producer))
+    run_dir = Path(tempfile.mkdtemp(prefix=f"broker{tokens}-", dir=workdir))
+    publish = opts.max_staleness is not None
     procs: list[mp.Process] = []
+    proc = None
     try:
+        proc, address = _start(run_dir, groups_total, batch_groups, publish, opts)
         go, cpu = mp.Event(), mp.Queue()
         args = (opts.per_lease, opts.in_flight, opts.wait_acks, opts.request_leases)
         procs = [
@@ -272,7 +294,9 @@ def run_broker(
         # while the current one is consumed, and versions and progress go out on a second connection.
         with (
             BrokerClient(address, timeout_s=120) as trainer,
-            BrokerClient(address, timeout_s=120, read_journal=opts.journal_reads) as fetcher,
+            BrokerClient(
+                address, timeout_s=120, read_journal=opts.journal_reads, read_memory=opts.memory_reads
+            ) as fetcher,
             ThreadPoolExecutor(max_workers=1) as pool,
         ):
             trainer.register("trainer", "bench")
@@ -309,8 +333,11 @@ def run_broker(
                 for k, v in threads.items()
                 if v - threads0.get(k, 0.0) > 0
             }
+            local = fetcher._local
             print(
-                f"    broker threads, CPU us/sample: {per}; broker peak RSS {status_kib('VmHWM', proc.pid) / 1024:.0f} MB",
+                f"    broker threads, CPU us/sample: {per}; broker peak RSS {status_kib('VmHWM', proc.pid) / 1024:.0f} MB;"
+                f" batches copied from the broker's memory {local.batches_copied}, read from its journal"
+                f" {local.batches_read}",
                 file=sys.stderr,
             )
         producers = sum(cpu.get() for _ in procs)
@@ -323,7 +350,8 @@ def run_broker(
             if p.is_alive():
                 p.kill()
                 p.join()
-        stop(proc)
+        if proc is not None:
+            stop(proc)
         shutil.rmtree(run_dir, ignore_errors=True)  # its journal: GBs at 32K tokens
 
 
@@ -435,6 +463,12 @@ def main(argv: list[str] | None = None) -> int:
         "another machine does) instead of reading them from the journal",
     )
     ap.add_argument(
+        "--no-memory-reads",
+        action="store_true",
+        help="the consumer on the broker's host reads batches back from the journal (O_DIRECT) instead "
+        "of copying them out of the broker's memory (the broker's journal device then only writes)",
+    )
+    ap.add_argument(
         "--max-staleness",
         type=int,
         default=BrokerConfig().max_staleness,
@@ -462,6 +496,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=JSON",
         help='extra broker.* setting for experiments, e.g. journal=\'{"dir": "/dev/shm/j"}\'',
     )
+    ap.add_argument(
+        "--broker-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra environment of the broker process, e.g. GLIBC_TUNABLES=glibc.malloc.hugetlb=1",
+    )
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
 
@@ -482,10 +523,12 @@ def main(argv: list[str] | None = None) -> int:
         batch_groups=args.batch_groups,
         wait_acks=args.wait_acks,
         journal_reads=not args.no_journal_reads,
+        memory_reads=not args.no_memory_reads,
         request_leases=args.request_leases,
         max_staleness=None if args.open_admission else args.max_staleness,
         wait_reports=args.wait_reports,
         extra=extra,
+        env=dict(item.split("=", 1) for item in args.broker_env),
     )
     workdir = Path(tempfile.mkdtemp(prefix="broker-bench-"))
     try:

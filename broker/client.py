@@ -110,6 +110,7 @@ class AsyncBrokerClient:
         timeout_s: float = 30.0,
         max_unacked_bytes: int = MAX_UNACKED_BYTES,
         read_journal: bool = True,
+        read_memory: bool = True,
     ):
         self.address = address
         self.timeout_s = timeout_s
@@ -124,7 +125,7 @@ class AsyncBrokerClient:
         self._buffers = _BufferPool()
         self._generation = 0  # registrations so far: a call knows whether one happened since it was sent
         self._submits = _Unacked()
-        self._local = _LocalFrames(read_journal)
+        self._local = _LocalFrames(read_journal, read_memory)
         self.max_unacked_bytes = max_unacked_bytes
         self._unacked_bytes = 0
         self._window = asyncio.Condition()
@@ -390,11 +391,12 @@ class BrokerClient:
         curve: CurveClientKeys | None = None,
         timeout_s: float = 30.0,
         read_journal: bool = True,
+        read_memory: bool = True,
     ):
         self.address = address
         self.timeout_s = timeout_s
         self.node_id: str | None = None
-        self._local = _LocalFrames(read_journal)
+        self._local = _LocalFrames(read_journal, read_memory)
         self._ctx = zmq.Context()
         self._sock = _socket(self._ctx, address, curve)
         self._ids = itertools.count(1)

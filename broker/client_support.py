@@ -1,5 +1,5 @@
 """The clients' own bookkeeping (broker/client.py): reusable encode buffers, the window of submits not yet
-acknowledged, and reading batches' frames from the broker's journal on its host."""
+acknowledged, and reading batches' frames from the broker's memory or journal on its host."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from tidal.broker.local_journal import JournalReader, JournalUnavailable, host_id
+from tidal.broker.local_memory import MemoryReader, MemoryUnavailable
 
 log = logging.getLogger("tidal.broker.client")
 
@@ -103,23 +104,42 @@ class _Unacked:
 
 
 class _LocalFrames:
-    """Reads batches' group frames from the broker's journal when on its host (see local_journal)."""
+    """Reads batches' group frames, when on the broker's host, from the broker's memory (local_memory) or
+    else from its journal (local_journal); each falls back to the next, the last to the wire."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, memory: bool = True):
         self.host = host_id() if enabled else None
         self.reader = JournalReader() if self.host else None
+        self.memory = MemoryReader() if self.host and memory else None
         self.batches_read = 0  # batches whose frames came from the journal
+        self.batches_copied = 0  # batches whose frames were copied from the broker's memory
 
     def request_field(self) -> dict[str, Any]:
-        return {"host": self.host} if self.reader is not None else {}
+        if self.reader is None:
+            return {}
+        return {"host": self.host, "memory": True} if self.memory is not None else {"host": self.host}
 
     def frames(self, body: dict[str, Any], frames: list[Any]) -> list[Any] | None:
         """The reply's group frames; None when they must be asked for again on the wire."""
-        where = (body.get("batch") or {}).get("journal")
+        batch = body.get("batch") or {}
+        held = batch.get("memory")
+        if held is not None and self.memory is not None:
+            try:
+                frames = self.memory.read(held["pid"], held["refs"])
+                self.batches_copied += 1
+                return frames
+            except MemoryUnavailable as exc:
+                log.info("copying batches from the broker's memory stopped (%s): reading its journal", exc)
+                self.memory = None
+        where = batch.get("journal")
         if where is None:
-            return frames
+            return None if held is not None else frames
+        if self.reader is None:
+            return None
         try:
-            frames = self.reader.read(where["path"], where["file_id"], where["refs"])
+            frames = self.reader.read(
+                where["path"], where["file_id"], where["refs"], bool(where.get("direct", True))
+            )
             self.batches_read += 1
             return frames
         except JournalUnavailable as exc:
@@ -131,3 +151,4 @@ class _LocalFrames:
         if self.reader is not None:
             self.reader.close()
         self.reader = None
+        self.memory = None

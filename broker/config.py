@@ -74,6 +74,12 @@ class BrokerConfig(BaseModel):
     node_timeout_s: float = Field(30.0, gt=0)
     max_frame_bytes: int = Field(256 << 20, gt=0)
     io_threads: int = Field(1, ge=1, description="ZeroMQ I/O threads of the broker's socket")
+    memory_reads: bool = Field(
+        True,
+        description="a consumer on the broker's host may copy a batch's group frames out of the broker's "
+        "memory (process_vm_readv, checked against each group's CRC) instead of reading them back from "
+        "the journal's device, which then only writes; off: such consumers read the journal",
+    )
     data: DataConfig = DataConfig()
     journal: JournalConfig = JournalConfig()
     curve: CurveConfig = CurveConfig()

@@ -84,8 +84,14 @@ def _crc(kind: int, payload: bytes | memoryview) -> int:
     return crc32(payload, crc32(bytes((kind,))))
 
 
-def _record(kind: Kind, payload: bytes | memoryview) -> list[bytes | memoryview]:
-    return [_HEADER.pack(kind, len(payload), _crc(kind, payload)), payload]
+def record_crc(kind: Kind, payload: bytes | memoryview) -> int:
+    """The checksum a record of ``kind`` with this payload carries (callers that need it too compute it
+    once and pass it to ``Journal.append``)."""
+    return _crc(kind, payload)
+
+
+def _record(kind: Kind, payload: bytes | memoryview, crc: int | None = None) -> list[bytes | memoryview]:
+    return [_HEADER.pack(kind, len(payload), _crc(kind, payload) if crc is None else crc), payload]
 
 
 def read_records(data: memoryview) -> tuple[list[tuple[Kind, memoryview]], int]:
@@ -232,13 +238,13 @@ class Journal:
         self.appended_seq = 0  # records appended (staged or written)
         self.durable_seq = 0  # records written (and fsynced under fsync=always)
         self._writer: _BufferedWriter | _DirectWriter | None = None
-        # Deferred mode: records staged for the next commit.
-        self._staged: list[tuple[Kind | None, Any]] = []
+        # Deferred mode: records staged for the next commit: (kind, payload, crc or None).
+        self._staged: list[tuple[Kind | None, Any, int | None]] = []
         # Background mode: records for the writer thread, and compactions (None, records) in their place
         # among them. Appended by the event loop and taken by the writer without a lock (deque appends
         # and pops are atomic); the writer is woken only when it waits (``_idle``), so that an append
         # costs no lock and no wake-up while the writer is busy.
-        self._queue: deque[tuple[Kind | None, Any]] = deque()
+        self._queue: deque[tuple[Kind | None, Any, int | None]] = deque()
         self._idle = False
         self._pass = threading.Lock()  # held while queued records are taken and written
         self._dirty = False
@@ -253,6 +259,11 @@ class Journal:
         self.file_id: str | None = None
         self._tail = 0
         self.last_offset = 0
+
+    @property
+    def direct(self) -> bool:
+        """Whether appends go to the device with O_DIRECT (False: through the page cache)."""
+        return bool(self._writer and self._writer.direct)
 
     @property
     def bytes_written(self) -> int:
@@ -313,21 +324,22 @@ class Journal:
         t.start()
         self._threads.append(t)
 
-    def append(self, kind: Kind, payload: bytes | memoryview) -> int:
+    def append(self, kind: Kind, payload: bytes | memoryview, crc: int | None = None) -> int:
         """Append a record; returns its sequence number (durable once ``durable_seq`` reaches it). Its
-        payload will lie at ``last_offset`` of the file ``file_id``."""
+        payload will lie at ``last_offset`` of the file ``file_id``. ``crc``: the record's checksum where
+        the caller has it (``record_crc``), else computed when written."""
         self.last_offset = self._tail + _HEADER.size
         self._tail = self.last_offset + len(payload)
         if self.background:  # written at the next commit(), by the writer thread or inline
-            self._queue.append((kind, payload))
+            self._queue.append((kind, payload, crc))
             self.appended_seq += 1
             return self.appended_seq
         if self.deferred:  # written by the next commit()
-            self._staged.append((kind, payload))
+            self._staged.append((kind, payload, crc))
             self.appended_seq += 1
             return self.appended_seq
         with self._io:
-            self._write(_record(kind, payload))
+            self._write(_record(kind, payload, crc))
         self.appended_seq += 1
         self.durable_seq = self.appended_seq
         return self.appended_seq
@@ -345,7 +357,7 @@ class Journal:
                 return
             if (
                 not self.compacting
-                and sum(len(payload) for _, payload in queue) <= self.inline_bytes
+                and sum(len(payload) for _, payload, _ in queue) <= self.inline_bytes
                 and self._pass.acquire(blocking=False)
             ):
                 try:
@@ -359,8 +371,8 @@ class Journal:
             return
         staged, self._staged = self._staged, []
         parts: list[bytes | memoryview] = []
-        for kind, payload in staged:
-            parts += _record(kind, payload)
+        for kind, payload, crc in staged:
+            parts += _record(kind, payload, crc)
         with self._io:
             self._write(parts)
         self.durable_seq = self.appended_seq
@@ -398,10 +410,10 @@ class Journal:
         staged = [self._queue.popleft() for _ in range(len(self._queue))]
         if not staged:
             return None
-        seq = self.durable_seq + sum(kind is not None for kind, _ in staged)
+        seq = self.durable_seq + sum(kind is not None for kind, _, _ in staged)
         try:
             parts: list[bytes | memoryview] = []
-            for kind, payload in staged:
+            for kind, payload, crc in staged:
                 if kind is None:  # a compaction, in its place among the appends (see compact)
                     if parts:
                         with self._io:
@@ -409,7 +421,7 @@ class Journal:
                         parts = []
                     self._replace(payload)
                 else:
-                    parts += _record(kind, payload)
+                    parts += _record(kind, payload, crc)
             if parts:
                 with self._io:
                     self._write(parts)
@@ -440,7 +452,7 @@ class Journal:
             return self.rewrite(records)
         file_id, offsets = self._plan(records)
         self.compacting = True
-        self._queue.append((None, (file_id, records)))
+        self._queue.append((None, (file_id, records), None))
         self._wake()
         return offsets
 

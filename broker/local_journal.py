@@ -80,25 +80,29 @@ class JournalReader:
         self._fd = -1
         self._direct = False
         self._file_id: str | None = None
+        self._wants_direct = True
         self._memory = ReadMemory()
 
-    def read(self, path: str, file_id: str, refs: list[list[int]]) -> list[memoryview]:
+    def read(self, path: str, file_id: str, refs: list[list[int]], direct: bool = True) -> list[memoryview]:
         """The payloads at ``refs`` ([offset, length] each) of the journal file ``file_id`` at ``path``,
-        as read-only views (in the order of ``refs``)."""
+        as read-only views (in the order of ``refs``); ``direct``: with O_DIRECT where allowed (a journal
+        written through the page cache is read through it)."""
         try:
-            if path != self._path or file_id != self._file_id:
-                self._open(path, file_id)
+            if path != self._path or file_id != self._file_id or direct != self._wants_direct:
+                self._open(path, file_id, direct)
             return self._read(refs)
         except OSError as exc:
             raise JournalUnavailable(f"reading the journal {path}: {exc}") from None
 
-    def _open(self, path: str, file_id: str) -> None:
+    def _open(self, path: str, file_id: str, direct: bool = True) -> None:
         self.close()
         try:
+            if not direct:
+                raise OSError("the broker writes this journal through the page cache")
             self._fd, self._direct = os.open(path, os.O_RDONLY | os.O_DIRECT), True
         except OSError:  # e.g. tmpfs refuses O_DIRECT
             self._fd, self._direct = os.open(path, os.O_RDONLY), False
-        self._path = path
+        self._path, self._wants_direct = path, direct
         head = self._pread_spans([(0, BLOCK)])[0]
         kind, length, _ = _HEADER.unpack_from(head, 0)
         found = None

@@ -13,6 +13,7 @@ import signal
 from pathlib import Path
 
 from tidal.broker.journal import Journal
+from tidal.broker.local_memory import allow_memory_reads
 from tidal.broker.metrics import serve_metrics
 from tidal.broker.process import keep_freed_memory, tune_gc
 from tidal.broker.server import BrokerServer
@@ -52,6 +53,8 @@ def build_state(config) -> BrokerState:
 
 async def _serve(config) -> None:
     keep_freed_memory()
+    if config.broker.memory_reads and not allow_memory_reads():
+        log.info("no Yama ptrace exception set: local consumers read this broker's memory only where allowed")
     state = build_state(config)
     tune_gc()
     server = BrokerServer(config.broker, state)

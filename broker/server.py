@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ class _Waiter:
     num_groups: int | None
     deadline: float
     local: bool = False  # the client runs on this host and reads group frames from the journal itself
+    memory: bool = False  # ... or copies them out of this process's memory (local_memory)
 
 
 @dataclass
@@ -100,6 +102,9 @@ class BrokerServer:
         self.host = host_id()
         # Where local readers find the journal (compaction replaces the file under the same path).
         self._journal_path = str(state.journal.path.resolve()) if state.journal is not None else ""
+        # Local consumers may copy batches out of this process (Yama permitting: allow_memory_reads).
+        self.memory_reads = config.memory_reads
+        self.pid = os.getpid()
 
     # ------------------------------------------------------------------ loop
     async def serve(self, stop: asyncio.Event) -> None:
@@ -386,7 +391,8 @@ class BrokerServer:
         if host is not None and not isinstance(host, str):
             raise proto.ProtocolError(proto.BAD_FRAME, "get_batch: host must be a string or nil")
         local = host is not None and host == self.host and self.state.journal is not None
-        waiter = _Waiter(peer, req.id, req.body["after"], num_groups, deadline, local)
+        memory = local and self.memory_reads and req.body.get("memory") is True
+        waiter = _Waiter(peer, req.id, req.body["after"], num_groups, deadline, local, memory)
         if not self._try_serve(waiter, now):
             self._waiters.append(waiter)
 
@@ -429,7 +435,15 @@ class BrokerServer:
                 "path": self._journal_path,
                 "file_id": file_id,
                 "refs": where,
+                # page-cache journals are read through the page cache (an O_DIRECT read of dirty pages
+                # would first write them back)
+                "direct": self.state.journal.direct,
             }
+        if w.memory:
+            # Where the frames lie in this process: the client copies them (local_memory) and the
+            # journal's device only writes; the journal's refs above are its fallback.
+            body["batch"]["memory"] = {"pid": self.pid, "refs": self.state.memory_refs(batch)}
+        if refs is not None or w.memory:
             self._send(w.peer, w.rid, "ok", body, durable=True)
             return
         self._send(w.peer, w.rid, "ok", body, self.state.frames_of(batch), durable=True)

@@ -22,7 +22,8 @@ import msgpack
 from tidal.broker import staleness as st
 from tidal.broker.codec import inspect_group
 from tidal.broker.config import BrokerConfig
-from tidal.broker.journal import Journal, Kind
+from tidal.broker.journal import Journal, Kind, record_crc
+from tidal.broker.local_memory import frame_address
 from tidal.broker.protocol import BAD_GROUP, BAD_REQUEST, LEASE_REJECTED, NOT_REGISTERED, ProtocolError
 from tidal.broker.source import PromptSource
 from tidal.broker.state_records import Counters, CutBatch, LeaseState, Node, StoredGroup
@@ -308,7 +309,11 @@ class BrokerState:
                 self.counters.filtered_groups += 1
                 filtered.append(gid)
             else:
-                self._log(Kind.GROUP, s.frame.buffer if hasattr(s.frame, "buffer") else s.frame)
+                payload = s.frame.buffer if hasattr(s.frame, "buffer") else s.frame
+                if self.journal is not None:
+                    # computed once: the journal record carries it and a local memory reader checks it
+                    s.crc = record_crc(Kind.GROUP, payload)
+                    self.journal.append(Kind.GROUP, payload, s.crc)
                 if self.journal is not None and self.journal.file_id is not None:
                     s.loc = (self.journal.file_id, self.journal.last_offset)
                 self._accept(s, now)
@@ -401,6 +406,18 @@ class BrokerState:
 
     def frames_of(self, batch: CutBatch) -> list[Any]:
         return [self.batch_store[g].frame for g in batch.group_ids]
+
+    def memory_refs(self, batch: CutBatch) -> list[list[int]]:
+        """Where the batch's group frames lie in this process: [[address, length, crc]] (see
+        local_memory); the frames stay held until the batch is reported consumed."""
+        refs = []
+        for g in batch.group_ids:
+            s = self.batch_store[g]
+            payload = s.frame.buffer if hasattr(s.frame, "buffer") else s.frame
+            if s.crc is None:  # replayed after a restart or restored by compaction
+                s.crc = record_crc(Kind.GROUP, payload)
+            refs.append([frame_address(payload), len(payload), s.crc])
+        return refs
 
     def journal_refs(self, batch: CutBatch) -> tuple[str, list[list[int]]] | None:
         """Where the batch's group frames lie in the current journal file: (file id, [[offset, length]]),

@@ -42,6 +42,7 @@ class StoredGroup:
     info: GroupInfo
     frame: Any  # bytes-like: the group frame exactly as it came (journaled and forwarded as is)
     loc: tuple[str, int] | None = None  # (journal file id, offset) of its journal record's payload
+    crc: int | None = None  # its GROUP record's CRC-32, once computed (local memory readers check it)
 
 
 @dataclass

@@ -121,7 +121,7 @@ def test_a_client_on_the_brokers_host_reads_batches_from_the_journal_others_get_
     try:
         with (
             BrokerClient(address, timeout_s=20) as node,
-            BrokerClient(address, timeout_s=20) as local,
+            BrokerClient(address, timeout_s=20, read_memory=False) as local,
             BrokerClient(address, timeout_s=20, read_journal=False) as remote,
         ):
             node.register("rollout", "n")
@@ -138,5 +138,48 @@ def test_a_client_on_the_brokers_host_reads_batches_from_the_journal_others_get_
             second = local.get_batch(0)
             assert local._local.batches_read == 1 and len(second.groups) == 2
             assert local.stats()["errors"] == {}
+    finally:
+        stop(proc)
+
+
+def test_a_client_on_the_brokers_host_copies_batches_from_its_memory_and_falls_back_to_the_journal(tmp_path):
+    proc, address = start_broker(tmp_path, 32, group_size=2, batch_groups=2, max_staleness=100)
+    try:
+        with (
+            BrokerClient(address, timeout_s=20) as node,
+            BrokerClient(address, timeout_s=20) as local,
+            BrokerClient(address, timeout_s=20, read_journal=False) as remote,
+        ):
+            node.register("rollout", "n")
+            for _ in range(3):
+                lease = node.lease(2)
+                node.submit(lease.lease_id, [fake_group(pg, response_len=50_000) for pg in lease.groups])
+            first = local.get_batch(-1)
+            assert (local._local.batches_copied, local._local.batches_read) == (1, 0)
+            assert _groups(remote.get_batch(-1)) == _groups(first)
+            assert all(not s.response_ids.flags.writeable for g in first.groups for s in g.samples)
+            # Memory the broker no longer holds as it said (here: a checksum that cannot match) is
+            # refused; the same reply's journal offsets serve the batch, and later ones come from there.
+            real = local._local.memory.read
+            local._local.memory.read = lambda pid, refs: real(pid, [[a, n, crc ^ 1] for a, n, crc in refs])
+            second = local.get_batch(0)
+            assert (local._local.batches_copied, local._local.batches_read) == (1, 1)
+            assert local._local.memory is None
+            assert _groups(remote.get_batch(0)) == _groups(second)
+            assert len(local.get_batch(1).groups) == 2 and local._local.batches_read == 2
+            assert local.stats()["errors"] == {}
+    finally:
+        stop(proc)
+
+
+def test_a_broker_with_memory_reads_off_gives_local_clients_journal_offsets(tmp_path):
+    proc, address = start_broker(tmp_path, 8, group_size=2, batch_groups=2, memory_reads=False)
+    try:
+        with BrokerClient(address, timeout_s=20) as node, BrokerClient(address, timeout_s=20) as local:
+            node.register("rollout", "n")
+            lease = node.lease(2)
+            node.submit(lease.lease_id, [fake_group(pg, response_len=1000) for pg in lease.groups])
+            assert len(local.get_batch(-1).groups) == 2
+            assert (local._local.batches_copied, local._local.batches_read) == (0, 1)
     finally:
         stop(proc)
