@@ -46,6 +46,9 @@ from tidal.weights_sync import bucket, transport
 # after), so opening and closing an update cost one round trip each instead of two.
 DECLARED_EXTENSIONS = {"ordered_buckets": True, "bucket_segments": True, "pause_in_update": True}
 
+# bucket layouts whose views a receive buffer keeps (a sync's buckets alternate between two buffers)
+_KEPT_LAYOUTS = 256
+
 # ``target(name, shape, dtype)``: the engine's own tensor that ``name`` is received into in place, or None
 Target = Callable[[str, list[int], torch.dtype], torch.Tensor | None]
 
@@ -70,12 +73,28 @@ class ReceiveStats:
         return asdict(self)
 
 
+@dataclass
+class _Layout:
+    """An announced bucket, checked: its spec, size, broadcasts ([first, end) tensor indices), dtypes and byte
+    offsets (the bucket's size last). ``key``: the announcement's names, dtypes, shapes and segments."""
+
+    key: tuple | None
+    spec: bucket.BucketSpec
+    nbytes: int
+    runs: list[tuple[int, int]]
+    dtypes: list[torch.dtype]
+    offsets: list[int]
+
+
 class _Slot:
     """One receive buffer; held from the receive until its bucket is loaded."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.buffer: torch.Tensor | None = None
+        # the views made into ``buffer`` for each bucket layout received into it (a sync repeats the same
+        # buckets: made once instead of a view per tensor per sync); dropped with the buffer
+        self.views: dict[tuple, tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor]]] = {}
 
 
 class _GroupState:
@@ -134,6 +153,7 @@ class WeightReceiver:
         self.timeout_s = timeout_s
         self._groups: dict[str, _GroupState] = {}
         self._lock = threading.Lock()
+        self._layouts: dict[tuple, _Layout] = {}
         self.stats = ReceiveStats()
 
     def reset_stats(self) -> None:
@@ -244,12 +264,14 @@ class WeightReceiver:
         """Receive one flattened bucket; yields views of its tensors, valid until the block exits, except
         those received straight into their ``target`` (never with a ``checksum``: it covers the buffer)."""
         t0 = time.perf_counter()
-        spec = _spec(names, dtypes, shapes)
-        nbytes = spec.nbytes  # raises ValueError naming a bad dtype or shape before any receive
-        runs = _runs(segments, len(spec.names))
-        # by arithmetic, not views: this runs per tensor before the receives are posted
-        dtypes_ = [bucket._dtype(d) for d in spec.dtypes]
-        offsets = _offsets(spec, dtypes_)
+        layout = self._layout(names, dtypes, shapes, segments)  # raises ValueError before any receive
+        spec, nbytes, runs, dtypes_, offsets = (
+            layout.spec,
+            layout.nbytes,
+            layout.runs,
+            layout.dtypes,
+            layout.offsets,
+        )
         state = self._state(group_name)
         with self._turn(state, group_name, seq) as seq:
             # our turn: the other handlers wait for next_seq, which moves once our receives are posted
@@ -271,7 +293,7 @@ class WeightReceiver:
                     if dst is not None
                 )
                 buffered = [r for r, dst in enumerate(dsts) if dst is None]
-                buf, views = self._buffered(slot, spec, runs, offsets, dtypes_, dsts)
+                buf, views = self._buffered(slot, layout, dsts)
                 # the next bucket's turn starts once these receives are posted, not once they are done
                 receives = _Receives(state, dsts)
             except BaseException:
@@ -300,19 +322,41 @@ class WeightReceiver:
             spent = time.perf_counter() - t0
             self._count(nbytes, spent - loaded, loaded, in_place)
 
+    def _layout(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], segments: list[int] | None
+    ) -> _Layout:
+        """The announced bucket's offsets and broadcasts, checked (ValueError naming what is wrong); kept per
+        announcement, as a sync repeats the same buckets."""
+        try:
+            key = (tuple(names), tuple(dtypes), tuple(map(tuple, shapes)), segments and tuple(segments))
+            layout = self._layouts.get(key)
+        except TypeError:  # unhashable parts: checked (and refused) below
+            key, layout = None, None
+        if layout is not None:
+            return layout
+        spec = _spec(names, dtypes, shapes)
+        nbytes = spec.nbytes  # raises ValueError naming a bad dtype or shape
+        runs = _runs(segments, len(spec.names))
+        # by arithmetic, not views: this runs per tensor before the receives are posted
+        dtypes_ = [bucket._dtype(d) for d in spec.dtypes]
+        layout = _Layout(key, spec, nbytes, runs, dtypes_, _offsets(spec, dtypes_))
+        if key is not None:
+            with self._lock:
+                if len(self._layouts) >= _KEPT_LAYOUTS:
+                    self._layouts.clear()
+                self._layouts[key] = layout
+        return layout
+
     def _buffered(
-        self,
-        slot: _Slot,
-        spec: bucket.BucketSpec,
-        runs: list[tuple[int, int]],
-        offsets: list[int],
-        dtypes: list[torch.dtype],
-        dsts: list[torch.Tensor | None],
+        self, slot: _Slot, layout: _Layout, dsts: list[torch.Tensor | None]
     ) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
         """Lay the segments that are not received in place (``dsts[r] is None``) out in ``slot``'s buffer and
         fill in their ``dsts``; returns the buffer and views of their tensors, in order. Only those take
         room, each at an offset congruent to its offset in the bucket modulo 16 (so every tensor keeps its
-        alignment); without segments in place the buffer is the bucket as sent."""
+        alignment); without segments in place the buffer is the bucket as sent. The views are kept per
+        layout (names, dtypes, shapes, segments, which segments are in place) and reused by the next sync."""
+        spec, runs, offsets, dtypes = layout.spec, layout.runs, layout.offsets, layout.dtypes
+        key = (layout.key, tuple(dst is None for dst in dsts))
         placed, size = [], 0
         for r, (first, end) in enumerate(runs):
             if dsts[r] is None:
@@ -320,21 +364,33 @@ class WeightReceiver:
                 placed.append((r, size))
                 size += offsets[end] - offsets[first]
         buf = self._buffer(slot, size)
-        views = []
-        for r, at in placed:
-            first, end = runs[r]
-            dsts[r] = buf[at : at + offsets[end] - offsets[first]]
-            shift = at - offsets[first]
-            i = first
-            while i < end:  # one typed view and one split per run of a dtype: hundreds of tensors a bucket
-                j = i + 1
-                while j < end and dtypes[j] == dtypes[i]:
-                    j += 1
-                typed = buf[shift + offsets[i] : shift + offsets[j]].view(dtypes[i])
-                sizes = [(offsets[k + 1] - offsets[k]) // dtypes[i].itemsize for k in range(i, j)]
-                for k, part in zip(range(i, j), typed.split(sizes), strict=True):
-                    views.append((spec.names[k], part.view(spec.shapes[k])))
-                i = j
+        kept = slot.views.get(key) if layout.key is not None else None
+        if kept is not None:
+            views, parts = kept
+        else:
+            views, parts = [], []
+            for r, at in placed:
+                first, end = runs[r]
+                parts.append(buf[at : at + offsets[end] - offsets[first]])
+                shift = at - offsets[first]
+                i = first
+                while (
+                    i < end
+                ):  # one typed view and one split per run of a dtype: hundreds of tensors a bucket
+                    j = i + 1
+                    while j < end and dtypes[j] == dtypes[i]:
+                        j += 1
+                    typed = buf[shift + offsets[i] : shift + offsets[j]].view(dtypes[i])
+                    sizes = [(offsets[k + 1] - offsets[k]) // dtypes[i].itemsize for k in range(i, j)]
+                    for k, part in zip(range(i, j), typed.split(sizes), strict=True):
+                        views.append((spec.names[k], part.view(spec.shapes[k])))
+                    i = j
+            if layout.key is not None:
+                if len(slot.views) >= _KEPT_LAYOUTS:
+                    slot.views.clear()
+                slot.views[key] = (views, parts)
+        for (r, _), part in zip(placed, parts, strict=True):
+            dsts[r] = part
         return buf, views
 
     def receive_tensors(
@@ -381,6 +437,7 @@ class WeightReceiver:
     def _buffer(self, slot: _Slot, nbytes: int) -> torch.Tensor:
         # reused across buckets and syncs: a fresh CPU allocation costs a page fault per 4 KB
         if slot.buffer is None or slot.buffer.numel() < nbytes:
+            slot.views.clear()  # views into the old buffer
             slot.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return slot.buffer[:nbytes]
 

@@ -242,3 +242,50 @@ def test_a_bucket_mixing_dtypes_and_an_empty_tensor_is_yielded_bitwise(pair):
         done.result(timeout=30)
     assert list(got) == [n for n, _ in items]
     assert all(got[n].dtype == t.dtype and torch.equal(got[n], t) for n, t in items)
+
+
+def test_a_repeated_announcement_reuses_its_views_and_a_grown_buffer_gets_new_ones(pair):
+    """A sync repeats its buckets: the second receive of an announcement yields the views made for the first
+    (no view per tensor per sync), with the new bytes; a larger bucket that regrows the buffer drops them."""
+    sender, receiver = pair
+    g = torch.Generator().manual_seed(3)
+
+    def receive_one(items, seq):
+        buf, spec = bucket.pack(items)
+        got = {}
+        with ThreadPoolExecutor(1) as pool:
+            seen = []
+
+            def handler():
+                with receiver.receive(
+                    names=spec.names, dtypes=spec.dtypes, shapes=spec.shapes, group_name="g", seq=seq
+                ) as tensors:
+                    seen.extend(t for _, t in tensors)
+                    got.update((n, t.clone()) for n, t in tensors)
+
+            future = pool.submit(handler)
+            sender.broadcast(buf, src=0)
+            future.result(timeout=30)
+        assert all(torch.equal(got[n], t) for n, t in items)
+        return seen
+
+    small = [(f"w{i}", torch.randn(50 + i, generator=g)) for i in range(6)]
+    first = receive_one(small, 0)
+    receive_one([(f"x{i}", torch.randn(7, generator=g)) for i in range(3)], 1)  # the other buffer
+    again = receive_one([(n, torch.randn(t.shape, generator=g)) for n, t in small], 2)
+    assert all(a is b for a, b in zip(first, again, strict=True))
+    receive_one([(f"big{i}", torch.randn(4000, generator=g)) for i in range(3)], 3)
+    receive_one([(f"big{i}", torch.randn(4000, generator=g)) for i in range(3)], 4)  # regrows slot 0
+    receive_one([(f"x{i}", torch.randn(7, generator=g)) for i in range(3)], 5)
+    regrown = receive_one([(n, torch.randn(t.shape, generator=g)) for n, t in small], 6)  # slot 0 again
+    assert not any(a is b for a, b in zip(first, regrown, strict=True))
+    bad = receiver.receive(
+        names=[n for n, _ in small],
+        dtypes=["float32"] * len(small),
+        shapes=[list(t.shape) for _, t in small],
+        group_name="g",
+        seq=7,
+        segments=[2, 2],
+    )
+    with pytest.raises(ValueError, match="segments"), bad:  # a known announcement with bad segments
+        pass
