@@ -13,8 +13,8 @@ model FLOPs utilisation: 6 * active parameters * tokens + causal attention, over
     python benchmarks/trainer_throughput.py --device cuda --size dense-1b --batch 2 --seq-len 4096 \
         --profile runs/bench/profile      # + the top-30 kernels of each implementation (text and JSON)
 
-``--attention``, ``--experts``, ``--logprobs``, ``--pointwise``, ``--adam``, ``--grad-scale``, ``--wgrad`` and
-``--multi-tensor`` set ``trainer.kernels`` (docs/trainer.md, "Kernels") to
+``--attention``, ``--experts``, ``--logprobs``, ``--pointwise``, ``--adam``, ``--grad-scale``, ``--wgrad``,
+``--moe-permute`` and ``--multi-tensor`` set ``trainer.kernels`` (docs/trainer.md, "Kernels") to
 compare each fast path with its reference; ``--impls tidal`` skips the baseline.
 """
 
@@ -128,6 +128,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=("auto", "fused", "megatron"),
         default="auto",
         help="trainer.kernels.grad_scale",
+    )
+    p.add_argument(
+        "--moe-permute",
+        choices=("auto", "gather", "megatron"),
+        default="auto",
+        help="trainer.kernels.moe_permute",
     )
     p.add_argument(
         "--wgrad", choices=("auto", "accumulate", "megatron"), default="auto", help="trainer.kernels.wgrad"
@@ -270,6 +276,7 @@ def kernel_config(args):
         pointwise=args.pointwise,
         grad_scale=args.grad_scale,
         wgrad=args.wgrad,
+        moe_permute=args.moe_permute,
     )
 
 
@@ -452,7 +459,15 @@ def main(argv=None) -> int:
         run_step, teardown = setups[name](m, tokens=tokens, args=args)
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        times = time_steps(run_step, args.device, args.warmup, args.steps)
+        try:
+            times = time_steps(run_step, args.device, args.warmup, args.steps)
+        except torch.OutOfMemoryError as exc:  # e.g. the baseline's full fp32 logits at large batches
+            results[name] = {"error": f"out of memory: {str(exc).splitlines()[0]}"}
+            print(f"{name}: {results[name]['error']}", flush=True)
+            del run_step
+            teardown()
+            torch.cuda.empty_cache()
+            continue
         med = statistics.median(times)
         results[name] = {"median_s": med, "tokens_per_s": n_tokens / med, "times_s": times}
         if args.device == "cuda":
@@ -465,7 +480,7 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
     measured = matmul_tflops(args.device)
     base_row = results.get("transformers + AdamW")
-    base = base_row["tokens_per_s"] if base_row else None
+    base = base_row.get("tokens_per_s") if base_row else None
     peak = None
     if args.device == "cuda":
         gpu = torch.cuda.get_device_name()
@@ -480,6 +495,9 @@ def main(argv=None) -> int:
         f"{'of GEMM rate':>12} {'peak GiB':>9}"
     )
     for name, r in results.items():
+        if "error" in r:
+            print(f"{name:<24} {r['error'][:100]}")
+            continue
         r["ratio_vs_baseline"] = r["tokens_per_s"] / base if base else None
         r["mfu"] = flops / r["median_s"] / (peak * 1e12) if peak else None
         r["fraction_of_measured_gemm"] = flops / r["median_s"] / (measured * 1e12) if measured else None

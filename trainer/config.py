@@ -90,6 +90,13 @@ class KernelConfig(BaseModel):
         "SequentialMLP; auto = grouped_mm where it can run, loop elsewhere. Parameter names and layouts "
         "are those of SequentialMLP in every case",
     )
+    moe_permute: Literal["auto", "gather", "megatron"] = Field(
+        "auto",
+        description="MoE token permutation (megatron's dispatchers): gather = each token's k routed rows "
+        "summed by a gather and a sum instead of an atomic scatter-add (permute backward, unpermute "
+        "forward), for models that drop no token; megatron = its index_add_/scatter_add_; auto = gather on "
+        "CUDA",
+    )
     logprobs: Literal["auto", "compiled", "fused", "reference"] = Field(
         "auto",
         description="per-token logprobs/entropy from (vocab-parallel) logits: fused = row chunks in fp32, "

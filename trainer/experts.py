@@ -153,8 +153,6 @@ class GroupedExperts(SequentialMLP):
     def _activation(self, h: torch.Tensor) -> torch.Tensor:
         if self.config.gated_linear_unit:
             gate, up = torch.chunk(h, 2, dim=-1)
-            if self.config.activation_func is F.silu:
-                return pointwise.swiglu_parts(gate, up)
             return self.config.activation_func(gate) * up
         return self.config.activation_func(h)
 
@@ -175,8 +173,11 @@ class GroupedExperts(SequentialMLP):
             offsets = None
         with restack.hooks():
             h = grouped_linear(x, w1, offsets, counts, use_kernel)
-        h = self._activation(h)
         # as megatron's MLP: the routing probability scales the activation (fp32 probs), then back to dtype
-        h = (h * permuted_probs.unsqueeze(-1)).to(x.dtype)
+        probs = permuted_probs.unsqueeze(-1)
+        if self.config.gated_linear_unit and self.config.activation_func is F.silu:
+            h = pointwise.weighted_bias_swiglu_impl(h, None, probs)  # one compiled chain on CUDA
+        else:
+            h = (self._activation(h) * probs).to(x.dtype)
         with restack.hooks():
             return grouped_linear(h, w2, offsets, counts, use_kernel), None

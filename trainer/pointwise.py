@@ -81,10 +81,6 @@ def _swiglu(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def _swiglu_parts(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
-
-
 def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
     # megatron-core's _rotate_half, written out so that dynamo traces it without importing megatron
     if not interleaved:
@@ -115,11 +111,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, eager: Callable)
 def swiglu(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[..., :F]) * x[..., F:]`` (megatron's gated linear unit with silu)."""
     return _run(_swiglu, x)
-
-
-def swiglu_parts(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for a gate and an up projection already apart."""
-    return _run(_swiglu_parts, gate, up)
 
 
 def rotate(t: torch.Tensor, cos_: torch.Tensor, sin_: torch.Tensor, interleaved: bool) -> torch.Tensor:

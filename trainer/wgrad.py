@@ -40,6 +40,25 @@ def install() -> None:
         sys.modules["fused_weight_gradient_mlp_cuda"] = module
     layers.fused_weight_gradient_mlp_cuda = module
     layers._grad_accum_fusion_available = True
+    if not getattr(layers.linear_with_grad_accumulation_and_async_allreduce, "_tidal", False):
+        layers.linear_with_grad_accumulation_and_async_allreduce = _only_with_main_grad(
+            layers.linear_with_grad_accumulation_and_async_allreduce
+        )
+
+
+def _only_with_main_grad(linear):
+    """megatron's linear function, with the fusion off for a weight that has no ``main_grad`` (a model used
+    outside megatron's DDP wrapper: its backward would otherwise fail on ``main_grad.dtype``)."""
+
+    def call(input, weight, *args, gradient_accumulation_fusion=False, **kwargs):
+        if gradient_accumulation_fusion and getattr(weight, "main_grad", None) is None:
+            gradient_accumulation_fusion = False
+        return linear(
+            input, weight, *args, gradient_accumulation_fusion=gradient_accumulation_fusion, **kwargs
+        )
+
+    call._tidal = True
+    return call
 
 
 def wanted(setting: str, device: torch.device, params_dtype: torch.dtype) -> bool:

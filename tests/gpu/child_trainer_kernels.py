@@ -328,17 +328,14 @@ def train_step_checks() -> dict:
     return {"losses": losses, "adam_groups_fused": fused}
 
 
-def device_step_checks() -> dict:
-    """Three train steps per setting from the same initial model: the fused grad scale (normalisation x clip
-    applied inside fused Adam) and the accumulating weight-gradient product against megatron's own path.
-
-    The relative update error is |update - reference update| / |reference update| over all parameters."""
+def three_steps(model: ModelConfig, kernels: KernelConfig) -> dict:
+    """Three train steps of ``model`` (bf16, seed 1, the same minibatch each step) with ``kernels``; clip at
+    0.05, far below the initial gradients' norm, so the clip coefficient is exercised."""
     from tidal.trainer.config import LossConfig, OptimizerConfig
     from tidal.trainer.optimizer import build_train_state
     from tidal.trainer.step import train_step
     from tidal.trainer.synthetic import make_loss, plan, synthetic_groups
 
-    model = ModelConfig(family="qwen3", **SHAPE)
     parallel.init_parallel(MeshConfig(), model, seed=0)
     groups = synthetic_groups(
         vocab_size=model.vocab_size,
@@ -350,43 +347,43 @@ def device_step_checks() -> dict:
     )
     minibatch = plan(groups, dp_size=1, max_tokens=2048, pad_multiple=8)
     loss_fn = make_loss("sft", LossConfig(kind="sft"), minibatch.normalizer, 0)
+    tconfig = models.transformer_config(model, MeshConfig(), bf16=True)
+    chunks = models.build_model(model, tconfig, seed=1, kernels=kernels)
+    state = build_train_state(chunks, tconfig, OptimizerConfig(lr=1e-3, clip_grad=0.05), total_steps=3)
+    before = torch.cat([p.detach().float().flatten() for p in chunks[0].parameters()])
+    results = [train_step(state, minibatch.micro_batches(0), loss_fn) for _ in range(3)]
+    after = torch.cat([p.detach().float().flatten() for p in chunks[0].parameters()])
+    return {
+        "losses": [r.loss for r in results],
+        "grad_norms": [r.grad_norm for r in results],
+        "update": after - before,
+        "device_step": getattr(state, "_tidal_device_step", None) is not None,
+        "fusion": bool(tconfig.gradient_accumulation_fusion),
+    }
 
-    def run(grad_scale: str, wgrad: str) -> dict:
-        tconfig = models.transformer_config(model, MeshConfig(), bf16=True)
-        kernels = KernelConfig(grad_scale=grad_scale, wgrad=wgrad)
-        chunks = models.build_model(model, tconfig, seed=1, kernels=kernels)
-        # clip at 0.05: the initial gradients' norm is far above it, so the clip coefficient is exercised
-        state = build_train_state(chunks, tconfig, OptimizerConfig(lr=1e-3, clip_grad=0.05), total_steps=3)
-        before = torch.cat([p.detach().float().flatten() for p in chunks[0].parameters()])
-        results = [train_step(state, minibatch.micro_batches(0), loss_fn) for _ in range(3)]
-        after = torch.cat([p.detach().float().flatten() for p in chunks[0].parameters()])
-        return {
-            "losses": [r.loss for r in results],
-            "grad_norms": [r.grad_norm for r in results],
-            "update": after - before,
-            "device_step": getattr(state, "_tidal_device_step", None) is not None,
-            "fusion": bool(tconfig.gradient_accumulation_fusion),
-        }
 
-    megatron = run("megatron", "megatron")
-    scaled = run("fused", "megatron")
-    fused = run("fused", "accumulate")
+def compare_runs(got: dict, ref: dict) -> dict:
+    """How far ``got``'s three steps are from ``ref``'s (relative update error: |update - reference| /
+    |reference update| over all parameters)."""
+    return {
+        "first_loss_equal": got["losses"][0] == ref["losses"][0],
+        "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"], strict=True)),
+        "grad_norm_rel": max(
+            abs(a - b) / b for a, b in zip(got["grad_norms"], ref["grad_norms"], strict=True)
+        ),
+        "update_rel": ((got["update"] - ref["update"]).norm() / ref["update"].norm()).item(),
+        "device_step": got["device_step"],
+        "fusion": got["fusion"],
+    }
 
-    def compare(got: dict) -> dict:
-        ref_update = megatron["update"]
-        return {
-            "first_loss_equal": got["losses"][0] == megatron["losses"][0],
-            "loss_rel": max(
-                abs(a - b) / abs(b) for a, b in zip(got["losses"], megatron["losses"], strict=True)
-            ),
-            "grad_norm_rel": max(
-                abs(a - b) / b for a, b in zip(got["grad_norms"], megatron["grad_norms"], strict=True)
-            ),
-            "update_rel": ((got["update"] - ref_update).norm() / ref_update.norm()).item(),
-            "device_step": got["device_step"],
-            "fusion": got["fusion"],
-        }
 
+def device_step_checks() -> dict:
+    """The fused grad scale (normalisation x clip applied inside fused Adam) and the accumulating
+    weight-gradient product against megatron's own path, from the same initial model."""
+    model = ModelConfig(family="qwen3", **SHAPE)
+    megatron = three_steps(model, KernelConfig(grad_scale="megatron", wgrad="megatron"))
+    scaled = three_steps(model, KernelConfig(grad_scale="fused", wgrad="megatron"))
+    fused = three_steps(model, KernelConfig(grad_scale="fused", wgrad="accumulate"))
     return {
         "reference": {
             "grad_norms": megatron["grad_norms"],
@@ -394,14 +391,29 @@ def device_step_checks() -> dict:
             "fusion": megatron["fusion"],
             "clip": 0.05,
         },
-        "grad_scale": compare(scaled),
-        "grad_scale_and_wgrad": compare(fused),
+        "grad_scale": compare_runs(scaled, megatron),
+        "grad_scale_and_wgrad": compare_runs(fused, megatron),
     }
+
+
+def moe_permute_checks() -> dict:
+    """An MoE's train steps with the gather-based token permutation against megatron's scatter-add one."""
+    model = ModelConfig(
+        family="qwen3_moe", **SHAPE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128
+    )
+    from tidal.trainer import moe_permute
+
+    megatron = three_steps(model, KernelConfig(moe_permute="megatron"))
+    gather = three_steps(model, KernelConfig(moe_permute="gather"))
+    result = compare_runs(gather, megatron)
+    result["mode_after"] = moe_permute._state["mode"]
+    return result
 
 
 def main() -> None:
     results = {
         "device_step": device_step_checks(),
+        "moe_permute": moe_permute_checks(),
         "attention": attention_checks(),
         "experts": experts_timing(),
         "dense_model": dense_model_checks(),

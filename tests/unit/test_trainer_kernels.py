@@ -262,8 +262,8 @@ _CHILD = textwrap.dedent(
         return max([rel(la, lb)] + [rel(ga[n], gb[n]) for n in ga])
 
     from tidal.trainer import pointwise
-    # megatron's MLP (SequentialMLP's experts: weighted by their routing probabilities), ours, RoPE
-    pointwise_calls = {"weighted_bias_swiglu_impl": 0, "swiglu_parts": 0, "rotate": 0}
+    # the experts' MLP (SequentialMLP's and ours: weighted by their routing probabilities), RoPE
+    pointwise_calls = {"weighted_bias_swiglu_impl": 0, "rotate": 0}
     for name in pointwise_calls:
         def counting(*args, _f=getattr(pointwise, name), _n=name):
             pointwise_calls[_n] += 1
