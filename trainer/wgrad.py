@@ -58,6 +58,7 @@ def _only_with_main_grad(linear):
         )
 
     call._tidal = True
+    call.warned = getattr(linear, "warned", False)  # megatron's body reads and sets it on the global name
     return call
 
 
