@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from tidal.procs import free_port
-from tidal.weights_sync import bucket, segments, transport
+from tidal.weights_sync import bucket, segments, transport, update_calls
 from tidal.weights_sync.config import WeightSyncConfig
 from tidal.weights_sync.engine_api import Announcement, EngineEndpoint, EngineError, EngineWeightsClient
 from tidal.weights_sync.sync_plan import SyncPlan
@@ -66,26 +66,6 @@ class SyncReport:
 
 class _Failed(Exception):
     """An engine failed during this attempt (already dropped)."""
-
-
-@dataclass
-class _Calls:
-    """Control calls in flight to every engine (``begin`` or ``end``), by engine url."""
-
-    what: str
-    started: float
-    futures: dict[str, Future] = field(default_factory=dict)
-    ended: float = 0.0  # when the last of them finished
-
-    def add(self, url: str, future: Future) -> None:
-        self.futures[url] = future
-        future.add_done_callback(self._finished)
-
-    def _finished(self, _: Future) -> None:
-        self.ended = max(self.ended, time.perf_counter())
-
-    def done(self) -> bool:
-        return all(f.done() for f in self.futures.values())
 
 
 class WeightSender:
@@ -166,6 +146,7 @@ class WeightSender:
 
     def close(self) -> None:
         self._staging = [None, None]
+        self._plan = SyncPlan()  # its recipes keep views of the staging buffers
         self._destroy_group()
         for client in self._clients.values():
             client.close()
@@ -275,7 +256,7 @@ class WeightSender:
                 self._connect(report)
             except _Failed as exc:
                 failure = exc
-        opening: _Calls | None = None
+        opening: update_calls.Calls | None = None
         if self.coordinator and failure is None:
             opening = self._start_on_all("begin")
             if self.stages > 1:  # the other stages' senders announce once past the barrier: open first
@@ -293,36 +274,11 @@ class WeightSender:
         if failure is not None:
             raise failure
 
-    def _start_on_all(self, what: str) -> _Calls:
-        """Open (``begin``: /pause_generation, then /begin_weight_update) or close (``end``:
-        /end_weight_update, then /continue_generation) the update on every engine, one thread per engine;
-        an engine that declared ``pause_in_update`` gets each pair as one call. (Sending each pair at once
-        measured no faster: an engine's event loop handles them one by one.)"""
-        pause_mode = self.pause_mode
+    def _start_on_all(self, what: str) -> update_calls.Calls:
+        """Open (``begin``) or close (``end``) the update on every engine (``update_calls``)."""
+        return update_calls.start(what, self._clients, self._declared, self.pause_mode, self._pool)
 
-        def call(client: EngineWeightsClient, combined: bool) -> None:
-            if what == "begin":
-                if combined:
-                    client.begin(pause_mode=pause_mode)
-                    return
-                if pause_mode:
-                    client.pause(pause_mode)
-                client.begin()
-            else:
-                if combined:
-                    client.end(resume=True)
-                    return
-                client.end()
-                if pause_mode:
-                    client.resume()
-
-        calls = _Calls(what, time.perf_counter())
-        for u, c in self._clients.items():
-            combined = bool(pause_mode) and "pause_in_update" in self._declared.get(u, ())
-            calls.add(u, self._pool.submit(call, c, combined))
-        return calls
-
-    def _settle_calls(self, calls: _Calls, report: SyncReport) -> _Failed | None:
+    def _settle_calls(self, calls: update_calls.Calls, report: SyncReport) -> _Failed | None:
         """Wait for ``calls``; drops the engines where one failed (or timed out)."""
         failed = _settle(calls.futures, self.config.timeout_s)
         elapsed = max(calls.ended, calls.started) - calls.started
@@ -339,7 +295,7 @@ class WeightSender:
         tensors: Iterable[tuple[str, torch.Tensor]],
         version: int,
         report: SyncReport,
-        opening: _Calls | None = None,
+        opening: update_calls.Calls | None = None,
     ) -> _Failed | None:
         """Pack buckets here, broadcast them from a second thread; two staging buffers alternate.
 
