@@ -35,6 +35,13 @@ announcement, checks, load), and prints both figures; on GPUs that cost, not the
 below a few GB.
 
     .venv/bin/python benchmarks/weight_sync.py --engine serve --fixed-cost --sizes-mb 100 --repeats 7
+
+``--sender-host`` measures, without engines, the sender's own host time per tensor for the 36-layer model:
+the source's conversion alone, a sync planned afresh (what every sync cost before ``sync_plan.py``) and a
+replayed one (cutting buckets, ordering broadcasts, packing), alternated; on GPUs this per-tensor time, not the
+bytes, bounds syncs of many small tensors.
+
+    .venv/bin/python benchmarks/weight_sync.py --sender-host --sizes-mb
 """
 
 from __future__ import annotations
@@ -54,11 +61,13 @@ import torch
 
 from tidal.model_config import ModelConfig
 from tidal.procs import free_port, python_cmd, spawn, stop, wait_for_tcp
+from tidal.weights_sync import bucket
 from tidal.weights_sync.config import WeightSyncConfig
 from tidal.weights_sync.engine_api import EngineEndpoint
 from tidal.weights_sync.families import mapping_for
 from tidal.weights_sync.gather import GatherTimes
 from tidal.weights_sync.sender import WeightSender, raw_broadcast
+from tidal.weights_sync.sync_plan import SyncPlan
 from tidal.weights_sync.tiny_models import megatron_shapes
 
 
@@ -355,6 +364,11 @@ def main() -> int:
         "announcements, end, resume; the open and close columns split out the control calls), beside a "
         "raw broadcast of its bytes",
     )
+    p.add_argument(
+        "--sender-host",
+        action="store_true",
+        help="first the sender's own host time per tensor (no engine): planned afresh against replayed",
+    )
     p.add_argument("--engines", type=int, default=1)
     p.add_argument(
         "--engine",
@@ -404,8 +418,10 @@ def main() -> int:
     )
     args = p.parse_args()
     _check_devices(p, args)
-    if not args.sizes_mb and not args.fixed_cost:
-        p.error("nothing to measure: give --sizes-mb MB [MB ...] or --fixed-cost")
+    if not args.sizes_mb and not args.fixed_cost and not args.sender_host:
+        p.error("nothing to measure: give --sizes-mb MB [MB ...], --fixed-cost or --sender-host")
+    if args.sender_host and args.tp > 1:
+        p.error("--sender-host measures one sender rank holding full tensors: drop --tp or --sender-host")
 
     if args.tp > 1 and "RANK" not in os.environ:  # run this script under torchrun, one rank per TP shard
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.tp}"]
@@ -448,8 +464,10 @@ def main() -> int:
         for proc in procs:
             stop(proc, timeout_s=5)
 
+    host = sender_host_cost(args) if args.sender_host else None
     # stand-ins take any tensors: one set for all sizes; a serve engine holds one model: a set per size
-    procs, urls, sender = connect(None) if args.engine == "standin" else ([], [], None)
+    engines_needed = bool(args.sizes_mb or args.fixed_cost)
+    procs, urls, sender = connect(None) if args.engine == "standin" and engines_needed else ([], [], None)
     results, skipped = [], []
     start, last = time.perf_counter(), None  # last: (MB, seconds) of the previous size
     try:
@@ -506,7 +524,7 @@ def main() -> int:
     )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+        args.out.write_text(json.dumps(dict(meta=meta, sender_host=host, results=results), indent=1))
         print(f"wrote {args.out}")
     return 0
 
@@ -527,6 +545,58 @@ def _check_devices(parser: argparse.ArgumentParser, args) -> None:
                 f"--backend nccl needs one GPU per rank: {max(args.tp, 1)} sender rank(s) + {args.engines} "
                 f"engine(s) = {need} GPUs, this host has {have}; use --backend gloo (CPU tensors) on fewer GPUs"
             )
+
+
+def sender_host_cost(args, rounds: int = 40) -> dict:
+    """Host (thread CPU) seconds per sync of the sender's own work for the 36-layer model, no engine: the
+    source's conversion alone; converting, cutting buckets, planning and packing with a fresh plan (every sync
+    before the plan was recorded); the same replaying the recorded plan. Medians of alternated rounds."""
+    model = tiny_model(FIXED_COST_LAYERS[-1])
+    make = local_source(model, args)
+    config = WeightSyncConfig()
+    first, size = config.bucket_sizes(args.backend)
+    own, most = config.own_broadcast_bytes, config.segmented_bytes(args.backend)
+
+    def stream(items):
+        return bucket.stream_buckets(
+            items,
+            size,
+            first,
+            packed=lambda t: not (isinstance(t, torch.Tensor) and t.is_contiguous() and t.nbytes >= own),
+            max_bytes=most,
+        )
+
+    staging = torch.empty(size, dtype=torch.uint8, device=args.device)
+    recorded = SyncPlan()
+
+    def send(plan: SyncPlan) -> None:
+        for items, recipe, spans in plan.buckets(make(GatherTimes()), ("bench",), stream, own):
+            recipe.payload(items, spans, staging)
+
+    def convert() -> None:
+        for _ in make(GatherTimes()):
+            pass
+
+    ways = {"convert": convert, "planned": lambda: send(SyncPlan()), "replayed": lambda: send(recorded)}
+    send(recorded)
+    times: dict[str, list[float]] = {k: [] for k in ways}
+    for _ in range(rounds):
+        for name, fn in ways.items():
+            _synchronize(args.device)
+            t0 = time.thread_time()
+            fn()
+            times[name].append(time.thread_time() - t0)
+            _synchronize(args.device)
+    tensors = sum(1 for _ in make(GatherTimes()))
+    out = {k: statistics.median(v) for k, v in times.items()}
+    print(
+        f"sender host time per tensor ({tensors} tensors, medians of {rounds}): convert "
+        f"{out['convert'] / tensors * 1e6:.1f} us, planned {out['planned'] / tensors * 1e6:.1f} us, replayed "
+        f"{out['replayed'] / tensors * 1e6:.1f} us (each including the conversion); per sync "
+        + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in out.items()),
+        flush=True,
+    )
+    return dict(tensors=tensors, rounds=rounds, seconds=out)
 
 
 def _print_fixed_cost(results: list[dict]) -> None:
