@@ -368,9 +368,9 @@ def compare_runs(got: dict, ref: dict) -> dict:
     return {
         "first_loss_equal": got["losses"][0] == ref["losses"][0],
         "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"], strict=True)),
-        "grad_norm_rel": max(
+        "grad_norm_rel_steps": [
             abs(a - b) / b for a, b in zip(got["grad_norms"], ref["grad_norms"], strict=True)
-        ),
+        ],
         "update_rel": ((got["update"] - ref["update"]).norm() / ref["update"].norm()).item(),
         "device_step": got["device_step"],
         "fusion": got["fusion"],

@@ -69,14 +69,15 @@ def test_train_step_uses_torchs_fused_adam(results):
 
 def test_fused_grad_scale_matches_megatrons_scale_and_clip(results):
     """Normalisation x clip applied inside fused Adam (no host sync) against megatron multiplying the
-    gradient buffer and clipping on the host: the same arithmetic up to fp32 rounding (1e-4 on the norm,
-    1e-2 of the update, which also absorbs bf16 parameter copies rounding the other way)."""
+    gradient buffer and clipping on the host: the same arithmetic up to fp32 rounding. The first step's
+    gradients are the same, so its norm agrees to fp32 rounding (1e-5); after it the bf16 parameter copies
+    round some values the other way, and the later norms and the update agree to 1e-2."""
     r = results["device_step"]
     assert not r["reference"]["device_step"] and r["grad_scale"]["device_step"], r
     assert min(r["reference"]["grad_norms"]) > r["reference"]["clip"], r  # the clip was active
     got = r["grad_scale"]
-    assert got["first_loss_equal"], r
-    assert got["grad_norm_rel"] < 1e-4 and got["loss_rel"] < 1e-3 and got["update_rel"] < 1e-2, r
+    assert got["first_loss_equal"] and got["grad_norm_rel_steps"][0] < 1e-5, r
+    assert max(got["grad_norm_rel_steps"]) < 1e-2 and got["loss_rel"] < 1e-3 and got["update_rel"] < 1e-2, r
 
 
 def test_accumulating_weight_gradients_match_megatrons_bf16_product(results):
@@ -87,7 +88,7 @@ def test_accumulating_weight_gradients_match_megatrons_bf16_product(results):
     got = r["grad_scale_and_wgrad"]
     assert got["fusion"] and not r["reference"]["fusion"], r
     assert got["first_loss_equal"], r
-    assert got["grad_norm_rel"] < 2e-2 and got["loss_rel"] < 1e-2 and got["update_rel"] < 1e-1, r
+    assert max(got["grad_norm_rel_steps"]) < 2e-2 and got["loss_rel"] < 1e-2 and got["update_rel"] < 1e-1, r
 
 
 def test_gather_token_permutation_trains_like_megatrons_scatter_add(results):
@@ -95,4 +96,4 @@ def test_gather_token_permutation_trains_like_megatrons_scatter_add(results):
     scatter-add: the bf16 rounding of those sums (2**-8 relative) is the only difference."""
     r = results["moe_permute"]
     assert r["mode_after"] == "gather", r
-    assert r["loss_rel"] < 1e-2 and r["grad_norm_rel"] < 5e-2 and r["update_rel"] < 2e-1, r
+    assert r["loss_rel"] < 1e-2 and max(r["grad_norm_rel_steps"]) < 5e-2 and r["update_rel"] < 2e-1, r
