@@ -71,7 +71,9 @@ class BucketRecipe:
     ) -> list[torch.Tensor]:
         """The bucket's broadcasts, in order: ``spans`` (from ``spans``) and the packed parts, whose tensors
         are copied into ``staging`` with one multi-tensor copy."""
-        dsts, packed_parts = self._staging_views(staging) if self.need else ([], [])
+        if staging is None:  # nothing to pack but empty tensors
+            staging = torch.empty(self.need, dtype=torch.uint8, device=items[0][1].device)
+        dsts, packed_parts = self._staging_views(staging)
         out: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
         own, packed = iter(spans), iter(packed_parts)

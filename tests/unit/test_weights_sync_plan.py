@@ -52,7 +52,7 @@ def _send(plan: SyncPlan, source) -> dict[str, torch.Tensor]:
     """Run a sync through ``plan`` and unpack what each bucket's broadcasts would deliver, by name."""
     got: dict[str, torch.Tensor] = {}
     for items, recipe, spans in plan.buckets(source, ("key",), _stream, OWN):
-        staging = torch.empty(max(recipe.need, 1), dtype=torch.uint8)
+        staging = torch.empty(recipe.need, dtype=torch.uint8) if recipe.need else None  # as the sender
         wire = torch.cat([p.contiguous().view(torch.uint8) for p in recipe.payload(items, spans, staging)])
         assert [n for n, _ in items] == recipe.spec.names
         for name, t in bucket.unpack(wire, recipe.spec):
@@ -169,3 +169,13 @@ def test_the_announcement_is_sglangs_json_encoded_once():
         "weight_version": "3",
         "flush_cache": True,
     }
+
+
+def test_a_bucket_whose_packed_part_is_only_an_empty_tensor_is_sent():
+    def source():
+        yield "empty", torch.empty(0)
+        yield "big", torch.arange(8192, dtype=torch.float32)  # 32 KiB: from its own memory
+
+    plan = SyncPlan()
+    for _ in range(2):  # planned, then replayed
+        _assert_equal(_send(plan, source()), dict(source()))
