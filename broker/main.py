@@ -15,7 +15,13 @@ from pathlib import Path
 from tidal.broker.journal import Journal
 from tidal.broker.local_memory import allow_memory_reads
 from tidal.broker.metrics import serve_metrics
-from tidal.broker.process import keep_freed_memory, tune_gc
+from tidal.broker.process import (
+    huge_page_heap_active,
+    keep_freed_memory,
+    prefault_heap,
+    reexec_with_huge_page_heap,
+    tune_gc,
+)
 from tidal.broker.server import BrokerServer
 from tidal.broker.source import PromptSource, load_rows
 from tidal.broker.state import BrokerState
@@ -53,6 +59,10 @@ def build_state(config) -> BrokerState:
 
 async def _serve(config) -> None:
     keep_freed_memory()
+    heap = config.broker.huge_page_heap_bytes
+    if heap and huge_page_heap_active():
+        prefault_heap(heap)
+        log.info("heap on huge pages, %d MiB faulted in", heap >> 20)
     if config.broker.memory_reads and not allow_memory_reads():
         log.info("no Yama ptrace exception set: local consumers read this broker's memory only where allowed")
     state = build_state(config)
@@ -85,6 +95,8 @@ async def _serve(config) -> None:
 def main(config, args: list[str]) -> int:
     if args:
         raise ConfigError(f"tidal broker takes no flags, got {args}; configure it with broker.* overrides")
+    if config.broker.huge_page_heap_bytes:
+        reexec_with_huge_page_heap()  # returns only where it cannot
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import uvloop
 

@@ -2,6 +2,7 @@
 only once journaled, and the client's window of unacknowledged bytes."""
 
 import asyncio
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -181,5 +182,22 @@ def test_a_broker_with_memory_reads_off_gives_local_clients_journal_offsets(tmp_
             node.submit(lease.lease_id, [fake_group(pg, response_len=1000) for pg in lease.groups])
             assert len(local.get_batch(-1).groups) == 2
             assert (local._local.batches_copied, local._local.batches_read) == (0, 1)
+    finally:
+        stop(proc)
+
+
+def test_a_broker_with_a_huge_page_heap_starts_itself_again_with_glibcs_tunables_and_serves(tmp_path):
+    proc, address = start_broker(tmp_path, 8, group_size=2, batch_groups=2, huge_page_heap_bytes=32 << 20)
+    try:
+        # The same process (the launcher's pid) now runs with the tunables and faulted its heap in.
+        raw = Path(f"/proc/{proc.pid}/environ").read_text()
+        environ = dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
+        assert "glibc.malloc.hugetlb=1" in environ["GLIBC_TUNABLES"].split(":")
+        assert "heap on huge pages, 32 MiB faulted in" in (tmp_path / "broker.log").read_text()
+        with BrokerClient(address, timeout_s=20) as node, BrokerClient(address, timeout_s=20) as local:
+            node.register("rollout", "n")
+            lease = node.lease(2)
+            node.submit(lease.lease_id, [fake_group(pg, response_len=1000) for pg in lease.groups])
+            assert len(local.get_batch(-1).groups) == 2 and local._local.batches_copied == 1
     finally:
         stop(proc)
