@@ -137,6 +137,33 @@ def test_serve_receives_pipelined_ordered_buckets_bitwise(engine_url):
     assert all(torch.equal(_served(url, n), t) for n, t in again.items())
 
 
+def test_a_second_sync_replays_the_recorded_plan_and_leaves_the_engine_generating(engine_url):
+    """The same sender twice: the second sync replays the first one's buckets (no planning), both land
+    bitwise, and each sync opens and closes with one call (pause_in_update), leaving generation running."""
+    url = engine_url
+    config = WeightSyncConfig(
+        bucket_bytes=16 << 10, segmented_bucket_bytes=16 << 10, timeout_s=30, own_broadcast_bytes=8 << 10
+    )
+    sender = WeightSender(config, [EngineEndpoint(url)])
+    try:
+        for version, seed in [(7, 21), (8, 22)]:
+            weights = _weights(seed=seed)
+            report = sender.sync(lambda weights=weights: iter(weights.items()), version=version)
+            assert report.ok and not report.dropped, report
+            assert "pause_in_update" in sender._declared[url]
+            assert all(torch.equal(_served(url, n), t) for n, t in weights.items())
+            state = httpx.get(f"{url}/server_info", timeout=30).json()["internal_states"][0]
+            assert state["paused"] is None, state  # continued by the closing call
+        assert sender._plan.replayed == report.buckets > 1 and sender._plan.planned == 0
+    finally:
+        sender.close()
+    reference = build_model(ModelConfig(**MODEL), seed=22, device="cpu", dtype="float32", fuse=False)
+    expected = reference.generate(
+        torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0
+    )[0, len(PROMPT) :].tolist()
+    assert _greedy(url) == expected
+
+
 def test_a_reused_or_missing_bucket_seq_is_refused_and_the_engine_keeps_serving(engine_url):
     url = engine_url
     config = WeightSyncConfig(bucket_bytes=16 << 10, timeout_s=30)
