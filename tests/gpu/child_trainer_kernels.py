@@ -299,18 +299,11 @@ def moe_expert_checks() -> dict:
     }
 
 
-def train_step_checks() -> dict:
-    """Two train steps with the default kernels: torch's fused Adam is switched on, no host sync per tensor."""
-    from tidal.trainer.config import LossConfig, OptimizerConfig
-    from tidal.trainer.optimizer import build_train_state
-    from tidal.trainer.step import train_step
+def sft_minibatch(model: ModelConfig):
+    """A fixed synthetic minibatch (8 groups of 4, up to 2,048 tokens) and its SFT loss."""
+    from tidal.trainer.config import LossConfig
     from tidal.trainer.synthetic import make_loss, plan, synthetic_groups
 
-    model = ModelConfig(family="qwen3", **SHAPE)
-    parallel.init_parallel(MeshConfig(), model, seed=0)
-    tconfig = models.transformer_config(model, MeshConfig(), bf16=True)
-    chunks = models.build_model(model, tconfig, seed=1)
-    state = build_train_state(chunks, tconfig, OptimizerConfig(lr=1e-3, clip_grad=1.0), total_steps=2)
     groups = synthetic_groups(
         vocab_size=model.vocab_size,
         groups=8,
@@ -320,7 +313,21 @@ def train_step_checks() -> dict:
         seed=0,
     )
     minibatch = plan(groups, dp_size=1, max_tokens=2048, pad_multiple=8)
-    loss_fn = make_loss("sft", LossConfig(kind="sft"), minibatch.normalizer, 0)
+    return minibatch, make_loss("sft", LossConfig(kind="sft"), minibatch.normalizer, 0)
+
+
+def train_step_checks() -> dict:
+    """Two train steps with the default kernels: torch's fused Adam is switched on, no host sync per tensor."""
+    from tidal.trainer.config import OptimizerConfig
+    from tidal.trainer.optimizer import build_train_state
+    from tidal.trainer.step import train_step
+
+    model = ModelConfig(family="qwen3", **SHAPE)
+    parallel.init_parallel(MeshConfig(), model, seed=0)
+    tconfig = models.transformer_config(model, MeshConfig(), bf16=True)
+    chunks = models.build_model(model, tconfig, seed=1)
+    state = build_train_state(chunks, tconfig, OptimizerConfig(lr=1e-3, clip_grad=1.0), total_steps=2)
+    minibatch, loss_fn = sft_minibatch(model)
     losses = [train_step(state, minibatch.micro_batches(0), loss_fn).loss for _ in range(2)]
     from tidal.trainer.fused_optim import _torch_optimizers
 
@@ -331,22 +338,12 @@ def train_step_checks() -> dict:
 def three_steps(model: ModelConfig, kernels: KernelConfig) -> dict:
     """Three train steps of ``model`` (bf16, seed 1, the same minibatch each step) with ``kernels``; clip at
     0.05, far below the initial gradients' norm, so the clip coefficient is exercised."""
-    from tidal.trainer.config import LossConfig, OptimizerConfig
+    from tidal.trainer.config import OptimizerConfig
     from tidal.trainer.optimizer import build_train_state
     from tidal.trainer.step import train_step
-    from tidal.trainer.synthetic import make_loss, plan, synthetic_groups
 
     parallel.init_parallel(MeshConfig(), model, seed=0)
-    groups = synthetic_groups(
-        vocab_size=model.vocab_size,
-        groups=8,
-        group_size=4,
-        prompt_len=(16, 48),
-        response_len=(16, 96),
-        seed=0,
-    )
-    minibatch = plan(groups, dp_size=1, max_tokens=2048, pad_multiple=8)
-    loss_fn = make_loss("sft", LossConfig(kind="sft"), minibatch.normalizer, 0)
+    minibatch, loss_fn = sft_minibatch(model)
     tconfig = models.transformer_config(model, MeshConfig(), bf16=True)
     chunks = models.build_model(model, tconfig, seed=1, kernels=kernels)
     state = build_train_state(chunks, tconfig, OptimizerConfig(lr=1e-3, clip_grad=0.05), total_steps=3)
