@@ -492,7 +492,7 @@ def main(argv=None) -> int:
         print(f"measured bf16 GEMM rate: {measured:.0f} TFLOP/s (datasheet peak {peak})")
     print(
         f"{'implementation':<24} {'median s/step':>14} {'tokens/s':>12} {'vs baseline':>12} {'MFU':>7} "
-        f"{'of GEMM rate':>12} {'peak GiB':>9}"
+        f"{'of GEMM rate':>12} {'peak GiB':>9} {'step spread':>12}"
     )
     for name, r in results.items():
         if "error" in r:
@@ -505,9 +505,12 @@ def main(argv=None) -> int:
         ratio = f"{r['ratio_vs_baseline']:.2f}x" if r["ratio_vs_baseline"] is not None else "-"
         of_gemm = f"{100 * r['fraction_of_measured_gemm']:.1f}%" if measured else "-"
         mem = f"{r['peak_gib']:.1f}" if "peak_gib" in r else "-"
+        # the timed steps' range around the median: differences below it are noise
+        r["spread"] = (max(r["times_s"]) - min(r["times_s"])) / r["median_s"]
+        spread = f"+-{50 * r['spread']:.1f}%"
         print(
             f"{name:<24} {r['median_s']:>14.4f} {r['tokens_per_s']:>12.0f} {ratio:>12} {mfu:>7} "
-            f"{of_gemm:>12} {mem:>9}"
+            f"{of_gemm:>12} {mem:>9} {spread:>12}"
         )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
