@@ -44,9 +44,11 @@ _CHILD = textwrap.dedent(
         for opt in _torch_optimizers(state.optimizer):
             for group in opt.param_groups:
                 group["fused"], group["foreach"] = True, False
+        before = torch.cat([p.detach().flatten() for p in chunks[0].parameters()])
         steps = [train_step(state, minibatch.micro_batches(0), loss_fn) for _ in range(3)]
         params = torch.cat([p.detach().flatten() for p in chunks[0].parameters()])
-        return [s.loss for s in steps], [s.grad_norm for s in steps], params, state._tidal_device_step is not None
+        used = state._tidal_device_step is not None
+        return [s.loss for s in steps], [s.grad_norm for s in steps], params, used, params - before
 
     out = {}
     for clip in (0.05, 1e6):  # the clip active at every step; never active
@@ -58,6 +60,7 @@ _CHILD = textwrap.dedent(
             norm_rel=[abs(a - b) / b for a, b in zip(got[1], ref[1])],
             loss_rel=[abs(a - b) / abs(b) for a, b in zip(got[0], ref[0])],
             param_diff=float((got[2] - ref[2]).abs().max()),
+            update_max=float(ref[4].abs().max()),
             param_change=float((ref[2] - run("megatron", clip)[2]).abs().max()),
         )
     print(json.dumps(out))
@@ -84,5 +87,8 @@ def test_fused_grad_scale_steps_like_megatron_in_fp32(extra):
         assert r["param_change"] == 0.0, r  # runs are deterministic, so any difference is the step's
         if clip == "0.05":
             assert min(r["ref_norms"]) > 0.05, r  # the clip coefficient was below 1 at every step
-        # fp32 everywhere: the factor applied once inside Adam instead of twice in memory is rounding only
-        assert max(r["norm_rel"]) < 1e-5 and max(r["loss_rel"]) < 1e-6 and r["param_diff"] < 1e-5, r
+        # fp32 everywhere: the factor applied once inside Adam instead of twice in memory is rounding only;
+        # Adam's normalised step magnifies it where a gradient is near zero, so parameters are compared
+        # against the size of the update (3 steps of lr 1e-2)
+        assert max(r["norm_rel"]) < 1e-5 and max(r["loss_rel"]) < 1e-6, r
+        assert r["param_diff"] < 1e-3 * r["update_max"], r
