@@ -13,9 +13,8 @@ model FLOPs utilisation: 6 * active parameters * tokens + causal attention, over
     python benchmarks/trainer_throughput.py --device cuda --size dense-1b --batch 2 --seq-len 4096 \
         --profile runs/bench/profile      # + the top-30 kernels of each implementation (text and JSON)
 
-``--attention``, ``--experts``, ``--logprobs``, ``--pointwise``, ``--adam``, ``--grad-scale``, ``--wgrad``,
-``--moe-permute`` and ``--multi-tensor`` set ``trainer.kernels`` (docs/trainer.md, "Kernels") to
-compare each fast path with its reference; ``--impls tidal`` skips the baseline.
+Every choice of ``trainer.kernels`` (docs/trainer.md, "Kernels") is a flag of the same name (``--attention``,
+``--grad-scale``, ``--moe-permute``, ...) to compare each fast path with its reference; ``--impls tidal`` skips the baseline.
 """
 
 from __future__ import annotations
@@ -28,12 +27,11 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Literal, get_args, get_origin
 
 import torch
 
 from tidal.model_config import ModelConfig
-from tidal.trainer.attention import ATTENTION_KERNELS
-from tidal.trainer.experts import EXPERT_KERNELS
 
 SIZES = {
     "tiny": dict(  # configs/tiny.yaml's model
@@ -106,44 +104,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="tidal,transformers",
         help="comma-separated: which implementations to run (tidal, transformers)",
     )
-    p.add_argument("--attention", choices=ATTENTION_KERNELS, default="auto", help="trainer.kernels.attention")
-    p.add_argument("--experts", choices=EXPERT_KERNELS, default="auto", help="trainer.kernels.experts")
-    p.add_argument(
-        "--logprobs",
-        choices=("auto", "compiled", "fused", "reference"),
-        default="auto",
-        help="trainer.kernels.logprobs",
-    )
-    p.add_argument(
-        "--pointwise",
-        choices=("auto", "compiled", "eager"),
-        default="auto",
-        help="trainer.kernels.pointwise",
-    )
-    p.add_argument(
-        "--adam", choices=("auto", "fused", "foreach"), default="auto", help="trainer.kernels.adam"
-    )
-    p.add_argument(
-        "--grad-scale",
-        choices=("auto", "fused", "megatron"),
-        default="auto",
-        help="trainer.kernels.grad_scale",
-    )
-    p.add_argument(
-        "--moe-permute",
-        choices=("auto", "gather", "megatron"),
-        default="auto",
-        help="trainer.kernels.moe_permute",
-    )
-    p.add_argument(
-        "--wgrad", choices=("auto", "accumulate", "megatron"), default="auto", help="trainer.kernels.wgrad"
-    )
-    p.add_argument(
-        "--multi-tensor",
-        choices=("foreach", "megatron"),
-        default="foreach",
-        help="trainer.kernels.multi_tensor",
-    )
+    for name, choices, default in kernel_choices():  # every trainer.kernels choice, as --name-with-dashes
+        p.add_argument(
+            f"--{name.replace('_', '-')}", choices=choices, default=default, help=f"trainer.kernels.{name}"
+        )
     p.add_argument(
         "--profile",
         type=Path,
@@ -264,20 +228,18 @@ def setup_transformers(m: ModelConfig, args, tokens: torch.Tensor):
     return run_step, lambda: None
 
 
+def kernel_choices() -> list[tuple[str, tuple[str, ...], str]]:
+    """(field, choices, default) of each ``trainer.kernels`` field that is a choice (not a number)."""
+    from tidal.trainer.config import KernelConfig
+
+    fields = KernelConfig.model_fields.items()
+    return [(n, get_args(f.annotation), f.default) for n, f in fields if get_origin(f.annotation) is Literal]
+
+
 def kernel_config(args):
     from tidal.trainer.config import KernelConfig
 
-    return KernelConfig(
-        attention=args.attention,
-        experts=args.experts,
-        logprobs=args.logprobs,
-        adam=args.adam,
-        multi_tensor=args.multi_tensor,
-        pointwise=args.pointwise,
-        grad_scale=args.grad_scale,
-        wgrad=args.wgrad,
-        moe_permute=args.moe_permute,
-    )
+    return KernelConfig(**{name: getattr(args, name) for name, _, _ in kernel_choices()})
 
 
 # kernel name patterns -> a coarse category, for the profile summary (first match wins)

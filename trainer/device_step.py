@@ -66,15 +66,15 @@ def unsupported(optimizer) -> str | None:
 
 
 class DeviceStep:
-    """:meth:`step` replaces ``optimizer.step()``; :meth:`armed` wraps the forward-backward whose
-    gradient normalisation it takes over."""
+    """:meth:`step` replaces ``optimizer.step()``; :meth:`arm` before the forward-backward hands it that
+    pass's gradient normalisation."""
 
     def __init__(self, optimizer, chunks):
         self.optimizer = optimizer
         self.inner = _inner(optimizer)
         self.max_norm = float(self.inner[0].config.clip_grad)
         self.group = self.inner[0].get_grad_stats_parallel_group()
-        self._pending: list[torch.Tensor | float] = []
+        self._factor: torch.Tensor | float | None = None  # finalize_model_grads' 1 / tokens, kept
         self._armed = False
         self._norm_grads: list[torch.Tensor] | None = None
         self._norm_key = None
@@ -86,14 +86,14 @@ class DeviceStep:
 
         def scale_gradients(scaling):
             if self._armed:
-                self._pending.append(scaling)  # one factor for the whole model: kept once
+                self._factor = scaling  # the same factor for every model chunk: kept once
             else:
                 original(scaling)
 
         chunk.scale_gradients = scale_gradients
 
     def arm(self) -> None:
-        self._pending.clear()
+        self._factor = None
         self._armed = True
 
     def _grads_for_norm(self) -> list[torch.Tensor]:
@@ -118,9 +118,7 @@ class DeviceStep:
             squared = torch.zeros(1, dtype=torch.float32, device=device)
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=self.group)
-        # finalize_model_grads' 1 / tokens: the same factor for every model chunk, so applied once
-        factor = self._pending[0] if self._pending else 1.0
-        self._pending.clear()
+        factor, self._factor = (1.0 if self._factor is None else self._factor), None
         scale = torch.as_tensor(factor, dtype=torch.float32, device=device).reshape(1)
         norm = squared.sqrt() * scale  # the norm megatron reports: of the normalised gradients
         coefficient = scale
