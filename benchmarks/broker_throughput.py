@@ -44,9 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import numpy as np
-import zmq
 
 from tidal.broker.client import AsyncBrokerClient, BrokerClient
 from tidal.broker.config import BrokerConfig
@@ -55,82 +53,17 @@ from tidal.broker.types import Group, Sample
 from tidal.procs import free_port, stop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from broker_baselines import (  # noqa: E402
+    BATCH_WAIT_S,
+    META,
+    PRODUCERS,
+    run_ray_deque,
+    run_ray_queue,
+    run_zmq,
+    sample_arrays,
+    sample_bytes,
+)
 from proc_stats import HostWindow, cpu_seconds, status_kib, thread_cpu_seconds  # noqa: E402
-
-PRODUCERS = 2
-BATCH_WAIT_S = 120.0  # a consumer that gets no batch this long gives up (a producer died)
-META = {
-    "data_source": "openai/gsm8k",
-    "finish_reason": "stop",
-    "uid": "a" * 96,
-    "prompt_index": 123456,
-    "reward": 1.0,
-    "extra": {"answer": "72", "split": "train", "ability": "math"},
-}
-
-
-def sample_arrays(tokens: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(tokens)
-    return {
-        "response_ids": rng.integers(0, 150_000, tokens, dtype=np.int32),
-        "logprobs": rng.standard_normal(tokens).astype(np.float32),
-        "versions": np.full(tokens, 3, np.int32),
-    }
-
-
-def sample_bytes(tokens: int) -> int:
-    return tokens * 12 + len(msgpack.packb(META))
-
-
-def raw_frame(arrays: dict[str, np.ndarray]) -> bytes:
-    return msgpack.packb(
-        {**{k: v.tobytes() for k, v in arrays.items()}, "dtype": "<i4,<f4,<i4", "meta": META}
-    )
-
-
-# ------------------------------------------------------------------------------------------- raw pyzmq
-def _zmq_producer(address: str, tokens: int, n: int, go, cpu) -> None:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.PUSH)
-    sock.connect(address)
-    arrays = sample_arrays(tokens)
-    go.wait()
-    c0 = time.process_time()
-    for _ in range(n):
-        sock.send(raw_frame(arrays), copy=False)
-    sock.close(linger=-1)
-    ctx.term()
-    cpu.put(time.process_time() - c0)
-
-
-def run_zmq(tokens: int, n: int, workdir: Path) -> tuple[float, int, dict[str, float], dict[str, float]]:
-    ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    pull.setsockopt(zmq.RCVTIMEO, int(BATCH_WAIT_S * 1000))  # a producer died: zmq.Again, not a hang
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
-    go, cpu = mp.Event(), mp.Queue()
-    procs = [
-        mp.Process(target=_zmq_producer, args=(f"tcp://127.0.0.1:{port}", tokens, n // PRODUCERS, go, cpu))
-        for _ in range(PRODUCERS)
-    ]
-    for p in procs:
-        p.start()
-    time.sleep(0.5)
-    window = HostWindow(workdir)
-    go.set()
-    t0, c0 = time.perf_counter(), time.process_time()
-    got = n // PRODUCERS * PRODUCERS
-    for _ in range(got):
-        frame = pull.recv(copy=False)
-        msgpack.unpackb(frame.buffer)
-    elapsed, consumer = time.perf_counter() - t0, time.process_time() - c0
-    window.stop()
-    producers = sum(cpu.get() for _ in procs)
-    for p in procs:
-        p.join()
-    pull.close(0)
-    ctx.term()
-    return elapsed, got, {"producers": producers, "consumer": consumer}, window.result(producers + consumer)
 
 
 # ---------------------------------------------------------------------------------------------- broker
@@ -355,74 +288,6 @@ def run_broker(
         shutil.rmtree(run_dir, ignore_errors=True)  # its journal: GBs at 32K tokens
 
 
-# ------------------------------------------------------------------------------------------------ ray
-def run_ray_deque(tokens: int, n: int) -> float:
-    import ray
-
-    @ray.remote(num_cpus=0)
-    class DequeActor:
-        def __init__(self):
-            from collections import deque
-
-            self.q = deque()
-
-        def put(self, item):
-            self.q.append(item)
-
-        def get(self):
-            return self.q.popleft() if self.q else None
-
-    @ray.remote(num_cpus=0)
-    def producer(actor, count):
-        arrays = sample_arrays(tokens)
-        for _ in range(count):
-            ray.get(actor.put.remote({**arrays, "meta": META}))
-
-    actor = DequeActor.remote()
-    ray.get(actor.get.remote())
-    per = n // PRODUCERS
-    t0 = time.perf_counter()
-    tasks = [producer.remote(actor, per) for _ in range(PRODUCERS)]
-    got = 0
-    while got < per * PRODUCERS:
-        if ray.get(actor.get.remote()) is not None:
-            got += 1
-    elapsed = time.perf_counter() - t0
-    ray.get(tasks)
-    ray.kill(actor)
-    return elapsed
-
-
-def run_ray_queue(tokens: int, n: int, batch: int) -> float:
-    import ray
-    from ray.util.queue import Queue
-
-    @ray.remote(num_cpus=0)
-    def producer(queue, count):
-        arrays = sample_arrays(tokens)
-        sent = 0
-        while sent < count:
-            k = min(batch, count - sent)
-            queue.put_nowait_batch([{**arrays, "meta": META} for _ in range(k)])
-            sent += k
-
-    queue = Queue(actor_options={"num_cpus": 0})
-    per = n // PRODUCERS
-    t0 = time.perf_counter()
-    tasks = [producer.remote(queue, per) for _ in range(PRODUCERS)]
-    got = 0
-    while got < per * PRODUCERS:
-        size = queue.qsize()
-        if size == 0:
-            time.sleep(0.0005)
-            continue
-        got += len(queue.get_nowait_batch(min(size, batch)))
-    elapsed = time.perf_counter() - t0
-    ray.get(tasks)
-    queue.shutdown()
-    return elapsed
-
-
 # ---------------------------------------------------------------------------------------------- driver
 def count_for(method: str, tokens: int, seconds: float, guess: dict[str, float]) -> int:
     """Samples for a run of about ``seconds``, from a rough rate (samples/s at 1K tokens) scaled by size."""
@@ -511,7 +376,16 @@ def main(argv: list[str] | None = None) -> int:
         try:
             import ray
 
-            ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+            # the Ray baselines' remote functions live in broker_baselines.py, next to this file
+            here = str(Path(__file__).resolve().parent)
+            path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+            ray.init(
+                num_cpus=4,
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
+                runtime_env={"env_vars": {"PYTHONPATH": path}},
+            )
             methods += ["ray_deque", "ray_queue"]
         except ImportError:
             print("ray is not installed (make bench-deps): skipping the Ray baselines", file=sys.stderr)
