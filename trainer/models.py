@@ -322,7 +322,7 @@ def build_model(
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from tidal.trainer import families, moe_permute, pointwise, rope, wgrad
+    from tidal.trainer import families, finalize, moe_permute, pointwise, rope, wgrad
     from tidal.trainer.config import KernelConfig
 
     model = model.resolved()
@@ -330,6 +330,7 @@ def build_model(
         use_te = te_available()
     rope.install()
     pointwise.install((kernels or KernelConfig()).pointwise)
+    finalize.install()
     if tconfig.num_moe_experts:
         moe_permute.install((kernels or KernelConfig()).moe_permute, tconfig)
     if wgrad.wanted((kernels or KernelConfig()).wgrad, _device(), tconfig.params_dtype):

@@ -19,7 +19,6 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from tidal.trainer import finalize
 from tidal.trainer.attention import cp_token_positions
 from tidal.trainer.device_step import device_step
 from tidal.trainer.losses import LossResult
@@ -370,7 +369,6 @@ def train_step(
 
     if not forward_only:
         _prepare_optimizer(state)
-    finalize.install()
     tconfig.finalize_model_grads_func = finalize_model_grads
     tconfig.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
     fast_step = None
