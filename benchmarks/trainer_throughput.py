@@ -1,9 +1,10 @@
 """Training-step throughput of tidal's megatron-core trainer beside a plain PyTorch + transformers loop.
 
 Both train the same architecture (built from one ModelConfig) on the same token count per step, in the same
-process: fixed-length random sequences, next-token NLL on every token, Adam. tidal packs the sequences
-(THD, one micro-batch) and runs megatron's schedule and distributed optimizer at world size 1; the baseline
-runs ``AutoModelForCausalLM`` on a padded-free ``[batch, seq]`` tensor with ``torch.optim.AdamW``.
+process: fixed-length random sequences, next-token NLL on every token, Adam, one optimizer step per
+``--micro-batches`` micro-batches of ``--batch`` sequences. tidal packs each micro-batch (THD) and runs
+megatron's schedule and distributed optimizer at world size 1; the baseline runs ``AutoModelForCausalLM``
+on a padded-free ``[batch, seq]`` tensor per micro-batch with ``torch.optim.AdamW``.
 Prints a table (median over the timed steps) and writes JSON with ``--out``. On CUDA (bf16) it also reports
 model FLOPs utilisation: 6 * active parameters * tokens + causal attention, over the GPU's peak.
 
@@ -12,6 +13,8 @@ model FLOPs utilisation: 6 * active parameters * tokens + causal attention, over
     python benchmarks/trainer_throughput.py --device cuda --size moe-small --out trainer_h200_moe.json
     python benchmarks/trainer_throughput.py --device cuda --size dense-1b --batch 2 --seq-len 4096 \
         --profile runs/bench/profile      # + the top-30 kernels of each implementation (text and JSON)
+    python benchmarks/trainer_throughput.py --device cuda --size dense-1b --batch 4 --micro-batches 2 \
+        --seq-len 4096                    # gradient accumulation: one optimizer step per 2 micro-batches
 
 Every choice of ``trainer.kernels`` (docs/trainer.md, "Kernels") is a flag of the same name (``--attention``,
 ``--grad-scale``, ``--moe-permute``, ...) to compare each fast path with its reference; ``--impls tidal`` skips the baseline.
@@ -94,7 +97,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    p.add_argument("--batch", type=int, default=8, help="sequences per step")
+    p.add_argument("--batch", type=int, default=8, help="sequences per micro-batch")
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step (gradient accumulation, as a real training step runs): "
+        "a step trains batch x micro-batches sequences",
+    )
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=8, help="timed steps")
     p.add_argument("--warmup", type=int, default=2)
@@ -118,6 +128,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--profile-steps", type=int, default=2)
     args = p.parse_args(argv)
+    if args.micro_batches < 1:
+        p.error(f"--micro-batches {args.micro_batches}: must be at least 1")
     args.impls = [x.strip() for x in args.impls.split(",") if x.strip()]
     unknown = set(args.impls) - set(IMPL_KEYS.values())
     if unknown or not args.impls:
@@ -170,7 +182,7 @@ def time_steps(run_step, device: str, warmup: int, steps: int) -> list[float]:
 
 
 def setup_tidal(m: ModelConfig, args, tokens: torch.Tensor):
-    """(one training step, teardown) of tidal's trainer on the whole batch packed into one micro-batch."""
+    """(one training step, teardown) of tidal's trainer: each micro-batch packs ``args.batch`` sequences."""
     from tidal.broker.types import Sample
     from tidal.trainer import models, parallel
     from tidal.trainer.config import LossConfig, OptimizerConfig
@@ -203,6 +215,7 @@ def setup_tidal(m: ModelConfig, args, tokens: torch.Tensor):
         items.append(SequenceItem(sample))
     plan = plan_minibatch(items, dp_size=1, max_tokens=args.batch * args.seq_len)
     micro_batches = plan.micro_batches(0)
+    assert len(micro_batches) == args.micro_batches, (len(micro_batches), args.micro_batches)
     loss_fn = make_loss("sft", LossConfig(), plan.normalizer)
     return (lambda: train_step(state, micro_batches, loss_fn)), parallel.shutdown
 
@@ -216,12 +229,13 @@ def setup_transformers(m: ModelConfig, args, tokens: torch.Tensor):
     model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).to(args.device)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=args.device == "cuda")
-    ids = tokens.to(args.device)
+    micro_batches = tokens.to(args.device).split(args.batch)
 
     def run_step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        for ids in micro_batches:  # equal sizes: the mean of the micro-batch means is the batch's mean
+            loss = model(input_ids=ids, labels=ids).loss / len(micro_batches)
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
 
@@ -412,8 +426,9 @@ def main(argv=None) -> int:
         return 2
     m = ModelConfig(**SIZES[args.size])
     m = m.model_copy(update={"max_position_embeddings": max(m.max_position_embeddings, args.seq_len)})
-    tokens = synthetic_tokens(m, args.batch, args.seq_len)
-    n_tokens = args.batch * args.seq_len
+    sequences = args.batch * args.micro_batches
+    tokens = synthetic_tokens(m, sequences, args.seq_len)
+    n_tokens = sequences * args.seq_len
     results = {}
     setups = {"tidal (megatron-core)": setup_tidal, "transformers + AdamW": setup_transformers}
     # tidal first: megatron's parallel state must be torn down before the baseline allocates
@@ -447,8 +462,11 @@ def main(argv=None) -> int:
     if args.device == "cuda":
         gpu = torch.cuda.get_device_name()
         peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in gpu), None)
-    flops = step_flops(m, args.batch, args.seq_len)
-    print(f"{args.size} ({m.family}), {args.batch} x {args.seq_len} tokens per step, device {args.device}")
+    flops = step_flops(m, sequences, args.seq_len)
+    print(
+        f"{args.size} ({m.family}), {args.micro_batches} micro-batch(es) of {args.batch} x {args.seq_len} "
+        f"tokens per step, device {args.device}"
+    )
     print(f"kernels: {kernel_config(args).model_dump()}")
     if measured:
         print(f"measured bf16 GEMM rate: {measured:.0f} TFLOP/s (datasheet peak {peak})")
