@@ -93,9 +93,13 @@ def _shard_stats(logits: torch.Tensor, scale: float, with_entropy: bool):
     return m.squeeze(-1), e.sum(dim=-1), w
 
 
-def _shard_grad(logits, local, log_z, coeff, hit, entropy, grad_entropy, scale: float, use_entropy: bool):
-    """The logits' gradient of one row chunk, in their dtype (see the module docstring for the formula);
-    the same operations in the same order as the eager backward, one kernel under torch.compile."""
+def _shard_grad(
+    out, logits, local, log_z, coeff, hit, entropy, grad_entropy, scale: float, use_entropy: bool
+):
+    """The logits' gradient of one row chunk written into ``out`` (its rows of the whole gradient), in the
+    logits' dtype (see the module docstring for the formula); the same operations in the same order as the
+    eager backward, one kernel under torch.compile that stores straight into ``out`` (returning the chunk
+    and copying it cost a 9 ms pass over the gradient per step at 32k tokens x 151,936 on the H200)."""
     logp = logits.float() * scale - log_z[:, None]
     p = logp.exp()
     if use_entropy:
@@ -104,7 +108,7 @@ def _shard_grad(logits, local, log_z, coeff, hit, entropy, grad_entropy, scale: 
         g = -(p * coeff[:, None])
     columns = torch.arange(logits.shape[-1], device=logits.device)
     g = g + torch.where(columns[None, :] == local[:, None], hit[:, None], 0.0)
-    return (g * scale).to(logits.dtype)
+    out.copy_((g * scale).to(logits.dtype))
 
 
 def _compiled_chunk_fns():
@@ -178,7 +182,8 @@ class _ChunkedVocabLogprobs(torch.autograd.Function):
         for start in range(0, tokens, ctx.chunk):
             rows = slice(start, min(start + ctx.chunk, tokens))
             if chunk_grad is not None:
-                grad[rows] = chunk_grad(
+                chunk_grad(
+                    grad[rows],
                     logits[rows],
                     local[rows],
                     log_z[rows],
