@@ -434,7 +434,7 @@ def sender_host_cost(args, rounds: int = 40) -> dict:
     make = local_source(model, args)
     config = WeightSyncConfig()
     first, size = config.bucket_sizes(args.backend)
-    own, most = config.own_broadcast_bytes, config.segmented_bytes(args.backend)
+    own, most = config.own_bytes(args.backend), config.segmented_bytes(args.backend)
 
     def stream(items):
         return bucket.stream_buckets(

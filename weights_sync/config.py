@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -31,14 +31,14 @@ class WeightSyncConfig(BaseModel):
         "that receive in bucket_seq order (tidal's; they load bucket k while receiving k+1); 1: one at a "
         "time. SGLang engines always get one at a time",
     )
-    own_broadcast_bytes: int | None = Field(
-        4 << 20,
-        gt=0,
+    own_broadcast_bytes: Annotated[int, Field(gt=0)] | Literal["auto"] | None = Field(
+        "auto",
         description="to engines that declare bucket_segments (tidal's), contiguous tensors of at least this "
         "many bytes (alone, or back to back in memory like gate/up) go out as a broadcast of their own, "
         "straight from their memory (no pack copy), and such an engine receives them straight into its "
-        "weights while paused (no load copy); smaller ones are packed, as each broadcast costs ~0.5 ms "
-        "on gloo; None: pack everything",
+        "weights while paused (no load copy); smaller ones are packed. auto: 4 MiB with gloo (a broadcast "
+        "costs ~0.5 ms there and a CPU copy is slow), 64 MiB with NCCL (a broadcast costs ~40-80 us of "
+        "launches and handshakes, a device copy of a 6 MB matrix ~3 us); None: pack everything",
     )
     segmented_bucket_bytes: int | None = Field(
         None,
@@ -86,6 +86,12 @@ class WeightSyncConfig(BaseModel):
         size = self.bucket_bytes or DEFAULT_BUCKET_BYTES.get(backend, DEFAULT_BUCKET_BYTES["nccl"])
         return min(self.first_bucket_bytes or max(1, size // 8), size), size
 
+    def own_bytes(self, backend: str) -> int | None:
+        """The size from which a tensor goes on a broadcast of its own on ``backend`` (None: never)."""
+        if self.own_broadcast_bytes == "auto":
+            return DEFAULT_OWN_BROADCAST_BYTES.get(backend, DEFAULT_OWN_BROADCAST_BYTES["nccl"])
+        return self.own_broadcast_bytes
+
     def segmented_bytes(self, backend: str) -> int:
         """A bucket's size in all, to engines that take segments (at least the bucket's packed size)."""
         size = self.bucket_sizes(backend)[1]
@@ -93,3 +99,4 @@ class WeightSyncConfig(BaseModel):
 
 
 DEFAULT_BUCKET_BYTES = {"gloo": 64 << 20, "nccl": 512 << 20}
+DEFAULT_OWN_BROADCAST_BYTES = {"gloo": 4 << 20, "nccl": 64 << 20}

@@ -325,7 +325,7 @@ class WeightSender:
         )
         sender.start()
         first_bytes, bucket_bytes = self.config.bucket_sizes(self.backend)
-        own_bytes = self.config.own_broadcast_bytes if self._segmented else None
+        own_bytes = self.config.own_bytes(self.backend) if self._segmented else None
         max_bytes = self.config.segmented_bytes(self.backend) if own_bytes is not None else None
 
         def stream(items):
