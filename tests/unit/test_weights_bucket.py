@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pydantic
+import pytest
 import torch
 
 from tidal.weights_sync import bucket
@@ -89,6 +91,18 @@ def test_bucket_size_defaults_depend_on_the_backend():
     # to engines that take segments a bucket may hold more than its packed size
     assert WeightSyncConfig().segmented_bytes("gloo") == 256 << 20
     assert explicit.model_copy(update={"segmented_bucket_bytes": 10}).segmented_bytes("gloo") == 1000
+
+
+def test_own_broadcast_threshold_depends_on_the_backend_unless_set():
+    from tidal.weights_sync.config import WeightSyncConfig
+
+    assert WeightSyncConfig().own_bytes("gloo") == 4 << 20
+    assert WeightSyncConfig().own_bytes("nccl") == 64 << 20
+    assert WeightSyncConfig(own_broadcast_bytes=5000).own_bytes("nccl") == 5000
+    assert WeightSyncConfig(own_broadcast_bytes=None).own_bytes("gloo") is None  # pack everything
+    for bad in (0, "big"):
+        with pytest.raises(pydantic.ValidationError, match="own_broadcast_bytes"):
+            WeightSyncConfig(own_broadcast_bytes=bad)
 
 
 def test_packable_qkv_packs_bitwise_like_the_unfused_copies():
