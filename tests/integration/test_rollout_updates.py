@@ -30,8 +30,10 @@ from tidal.rollout.tasks import build_task
 from tidal.rollout.tasks.arithmetic import make_records
 from tidal.rollout.tasks.char_tokenizer import save_char_tokenizer
 
-# long enough that the pause lands mid-generation even on a fast machine (the lean decode runs these
-# 2-row steps of the tiny model in well under a millisecond)
+# long enough that the pause lands mid-generation even on a fast machine; the engine also runs PyTorch's
+# lean step one step at a time (rollout.engine.cpu_step=torch, decode_burst=1): the native step ran these
+# 2-row steps of the tiny model, 8 to a burst, fast enough to finish 400 tokens between the test seeing the
+# requests run and its pause arriving (a fresh-clone CI run, session 7)
 MAX_NEW_TOKENS = 400
 PROMPT = [1, 4, 11, 14, 8, 9, 17]  # "<bos>07+45=" in the arithmetic tokenizer
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
@@ -46,6 +48,8 @@ def _config(tmp_path) -> RunConfig:
             "model.max_position_embeddings=512",
             "rollout.engine.max_seq_len=512",
             "rollout.engine.max_batch_size=8",
+            "rollout.engine.cpu_step=torch",
+            "rollout.engine.decode_burst=1",
             "rollout.agent.engine_start_timeout_s=120",
             "rollout.agent.request_timeout_s=120",
             "rollout.agent.drain_timeout_s=0.5",
