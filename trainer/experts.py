@@ -14,6 +14,10 @@ MoE layer and in-flight micro-batch (3.9 GiB a layer for Kimi K2.6 at EP8); save
 expert parameters instead and restack them when backward needs the weights (:class:`RestackInBackward`):
 the same values, so the same gradients, for one more copy of the weights in backward.
 
+Under megatron's DDP the stacked weights' gradient goes straight into the experts' fp32 ``main_grad``
+(:class:`StackIntoMainGrad`): a few multi-tensor adds per projection instead of one autograd gradient per
+expert, each added by its own DDP hook kernel (512 adds per micro-batch for 8 layers of 32 experts).
+
 Kernels (``trainer.kernels.experts``): ``grouped_mm`` (CUDA, compute capability 9.0+, bf16, dimensions
 multiple of 8), ``loop`` (the same arithmetic expert by expert, any device: the CPU path and the reference),
 ``auto`` (grouped_mm where it can run, loop elsewhere).
@@ -103,6 +107,59 @@ class RestackInBackward:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 
+# Experts whose stacked gradient is cast to the main gradient's dtype at once: bounds that temporary copy
+# (Kimi K2.6's 48 local experts' fc1 at EP8 is 1.4 G elements a layer).
+MAIN_GRAD_CAST_ELEMENTS = 64 << 20
+
+
+def adds_into_main_grad(weights: list[torch.Tensor]) -> bool:
+    """Whether ``weights`` carry megatron DDP's ``main_grad`` protocol (one dtype and device), so that
+    :class:`StackIntoMainGrad` may add their gradients itself."""
+    mains = [getattr(w, "main_grad", None) for w in weights]
+    if not weights or any(m is None for m in mains):
+        return False
+    if not all(hasattr(w, "grad_added_to_main_grad") for w in weights):
+        return False
+    return len({(m.dtype, m.device) for m in mains}) == 1
+
+
+class StackIntoMainGrad(torch.autograd.Function):
+    """``torch.stack(weights)`` whose backward adds each expert's slice of the stacked gradient into that
+    weight's ``main_grad`` with multi-tensor adds, marks ``grad_added_to_main_grad`` (as megatron's linear
+    layers do under gradient-accumulation fusion) and hands autograd placeholder gradients, which the DDP
+    hooks then skip (they still run: they mark the gradient buckets ready)."""
+
+    @staticmethod
+    def forward(ctx, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.weights = weights
+        return torch.stack(weights)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        weights = ctx.weights
+        mains = [w.main_grad for w in weights]
+        per = max(1, MAIN_GRAD_CAST_ELEMENTS // max(1, grad[0].numel()))
+        for start in range(0, len(weights), per):
+            # contiguous like main_grad (the weight gradient may come transposed): the foreach fast path
+            part = grad[start : start + per].to(mains[0].dtype, memory_format=torch.contiguous_format)
+            torch._foreach_add_(mains[start : start + per], list(part.unbind(0)))
+        zero = any(getattr(w, "zero_out_wgrad", False) for w in weights)
+        for w in weights:
+            w.grad_added_to_main_grad = True
+        # contiguous, so that each expert's slice matches its weight's layout and autograd keeps it uncopied
+        new = torch.zeros if zero else torch.empty
+        placeholder = new(grad.shape, dtype=grad.dtype, device=grad.device)
+        return tuple(placeholder.unbind(0))
+
+
+def stack_weights(weights: list[torch.Tensor]) -> torch.Tensor:
+    """The experts' weights as one ``[E, out, in]`` tensor, its gradient added into ``main_grad`` where
+    megatron's DDP gave the weights one."""
+    if torch.is_grad_enabled() and adds_into_main_grad(weights):
+        return StackIntoMainGrad.apply(*weights)
+    return torch.stack(weights)
+
+
 class GroupedExperts(SequentialMLP):
     """megatron-core's SequentialMLP computed with grouped GEMMs (same parameters, same results)."""
 
@@ -160,8 +217,8 @@ class GroupedExperts(SequentialMLP):
         x = permuted_local_hidden_states
         fc1 = [expert.linear_fc1.weight for expert in self.local_experts]
         fc2 = [expert.linear_fc2.weight for expert in self.local_experts]
-        w1 = torch.stack(fc1)  # [E, 2F, H]
-        w2 = torch.stack(fc2)  # [E, H, F]
+        w1 = stack_weights(fc1)  # [E, 2F, H]
+        w2 = stack_weights(fc2)  # [E, H, F]
         restack = RestackInBackward([(w1, fc1), (w2, fc2)])
         use_kernel = self._use_kernel(x, w1, w2)
         counts = None
