@@ -34,7 +34,8 @@ import torch.multiprocessing  # noqa: F401 - registers torch's reductions (CUDA 
 from tidal.weights_sync import bucket
 from tidal.weights_sync.config import WeightSyncConfig
 from tidal.weights_sync.engine_api import EngineEndpoint, EngineError, EngineWeightsClient
-from tidal.weights_sync.sender import SyncReport, _default_any_failed, _default_barrier, _drain, _settle
+from tidal.weights_sync.sender import _default_any_failed, _default_barrier
+from tidal.weights_sync.sync_report import SyncReport, drain, settle
 
 TensorSource = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 # one bucket's bytes when the config leaves it open: large buckets mean few HTTP round trips and IPC opens
@@ -202,7 +203,7 @@ class ColocatedSender:
     def _on_all(self, fn: Callable[[ColocatedClient], None], urls: list[str] | None = None) -> list[str]:
         urls = list(self._clients) if urls is None else urls
         futures = {u: self._pool.submit(fn, self._clients[u]) for u in urls}
-        return _settle(futures, self.config.timeout_s)
+        return settle(futures, self.config.timeout_s)
 
     def sleep(self) -> list[str]:
         """Retract the engines' requests and release their memory (coordinator only); the failed engines."""
@@ -261,7 +262,7 @@ class ColocatedSender:
             for u in failed:
                 self._drop(u, report)
         else:
-            _drain(tensors)
+            drain(tensors)
         self._barrier()
         if self.coordinator and self._clients:
 
@@ -308,7 +309,7 @@ class ColocatedSender:
                 report.pack_s += time.perf_counter() - t0
                 t0 = time.perf_counter()
                 if pending is not None:  # the other buffer's bucket: its reply frees that buffer
-                    failed += _settle(pending, self.config.timeout_s)
+                    failed += settle(pending, self.config.timeout_s)
                 urls = [u for u in self._clients if u not in failed]
                 if not urls:
                     break
@@ -328,10 +329,10 @@ class ColocatedSender:
                 report.bucket_sizes.append(buf.numel())
             if pending is not None:
                 t0 = time.perf_counter()
-                failed += _settle(pending, self.config.timeout_s)
+                failed += settle(pending, self.config.timeout_s)
                 report.transfer_s += time.perf_counter() - t0
         finally:
             with contextlib.suppress(Exception):
                 torch.cuda.synchronize(self.device)
-        _drain(it)  # after a failure: keep gathering so the other ranks' collectives complete
+        drain(it)  # after a failure: keep gathering so the other ranks' collectives complete
         return sorted(set(failed))

@@ -16,8 +16,10 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
+from tidal.weights_sync import replay
+
 # tidal's receive extensions an engine may declare in its /init_weights_update_group reply (SGLang: none)
-EXTENSIONS = ("ordered_buckets", "bucket_segments", "pause_in_update")
+EXTENSIONS = ("ordered_buckets", "bucket_segments", "pause_in_update", "replay_updates")
 
 # an idle connection is reused only this long: servers close idle keep-alive connections (uvicorn after
 # 5 s), and a request sent as the server closes would fail
@@ -195,6 +197,13 @@ class EngineWeightsClient:
         """``resume``: continue generation after, in the same call (only to engines that declared
         ``pause_in_update``)."""
         self._post("/end_weight_update", {"continue_generation": True} if resume else {})
+
+    def replay(self, *, group_name: str, plan: str, weight_version: str, pause_mode: str | None) -> None:
+        """Start a replayed update (``replay_updates``, replay.py); answers once the engine is ready to receive."""
+        body = {"group_name": group_name, "plan": plan, "weight_version": weight_version}
+        if pause_mode is not None:
+            body["pause_mode"] = pause_mode
+        self._post(replay.ROUTE, body)
 
     def pause(self, mode: str) -> None:
         self._post("/pause_generation", {"mode": mode})

@@ -44,7 +44,13 @@ from tidal.weights_sync import bucket, transport
 # ``pause_in_update``: ``/begin_weight_update`` takes ``pause_mode`` (pauses generation first, as
 # ``/pause_generation`` would) and ``/end_weight_update`` takes ``continue_generation: true`` (continues it
 # after), so opening and closing an update cost one round trip each instead of two.
-DECLARED_EXTENSIONS = {"ordered_buckets": True, "bucket_segments": True, "pause_in_update": True}
+# ``replay_updates``: ``/tidal/replay_weight_update`` repeats the last fully announced update (replay.py).
+DECLARED_EXTENSIONS = {
+    "ordered_buckets": True,
+    "bucket_segments": True,
+    "pause_in_update": True,
+    "replay_updates": True,
+}
 
 # bucket layouts whose views a receive buffer keeps (a sync's buckets alternate between two buffers)
 _KEPT_LAYOUTS = 256
@@ -228,6 +234,17 @@ class WeightReceiver:
                 f"weight-update group {group_name!r} does not exist: call init_weights_update_group first"
             )
         return state
+
+    def continue_at(self, group_name: str, seq: int) -> None:
+        """The group's next bucket is ``seq`` (a replayed update numbers its buckets from the sender's count)."""
+        state = self._state(group_name)
+        with state.turn:
+            if state.waiting:
+                raise BucketOrderError(
+                    f"group {group_name}: {state.waiting} buckets still wait for their turn"
+                )
+            state.next_seq = state.issued = seq
+            state.turn.notify_all()
 
     @contextmanager
     def _turn(self, state: _GroupState, group_name: str, seq: int | None) -> Iterator[int]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import resource
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +24,7 @@ import torch
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse
 
-from tidal.weights_sync import hf_io
+from tidal.weights_sync import hf_io, replay
 from tidal.weights_sync.receiver import DECLARED_EXTENSIONS, WeightReceiver
 
 
@@ -65,14 +66,46 @@ def receiver_routes(receiver: WeightReceiver, extra_stats: Callable[[], dict[str
     return router
 
 
+def _lay_out(weights: dict[str, torch.Tensor], entries: list[replay.Entry]) -> None:
+    """Keep the tensors of each broadcast segment back to back, in the segment's order, in one arena (as
+    ``tidal serve`` re-lays its weights): later updates receive every segment in place, with no copy."""
+    runs = []
+    for entry in entries:
+        if not entry.segments:
+            continue  # one packed broadcast: received into the buffer and copied whatever the layout
+        first = 0
+        for count in entry.segments:
+            names = entry.names[first : first + count]
+            first += count
+            tensors = [weights.get(n) for n in names]
+            if all(t is not None and t.dtype == tensors[0].dtype for t in tensors):
+                runs.append(list(zip(names, tensors, strict=True)))
+    total = sum(-(-sum(t.nbytes for _, t in run) // 64) * 64 for run in runs)
+    arena = torch.empty(total, dtype=torch.uint8)
+    at = 0
+    for run in runs:
+        start = at
+        for name, t in run:
+            view = arena[at : at + t.nbytes].view(t.dtype).view(t.shape)
+            view.copy_(t)
+            weights[name] = view
+            at += t.nbytes
+        at = start + -(-(at - start) // 64) * 64
+
+
 def build_app(timeout_s: float = 60.0) -> FastAPI:
     app = FastAPI()
     receiver = WeightReceiver("cpu", timeout_s)
     weights: dict[str, torch.Tensor] = {}
-    state: dict[str, Any] = {"version": None, "open": False}
+    state: dict[str, Any] = {"version": None, "open": False, "replays": 0}
     lock = threading.Lock()
+    recorder = replay.Recorder()  # the last announced update per group, for replay_updates
+    replaying = threading.Lock()  # one replayed update at a time
     app.include_router(
-        receiver_routes(receiver, lambda: {"version": state["version"], "tensors": len(weights)})
+        receiver_routes(
+            receiver,
+            lambda: {"version": state["version"], "tensors": len(weights), "replays": state["replays"]},
+        )
     )
 
     def ok(message: str = "ok") -> dict[str, Any]:
@@ -117,6 +150,7 @@ def build_app(timeout_s: float = 60.0) -> FastAPI:
     def begin(body: dict[str, Any]):
         # no generation to pause (``pause_mode``, tidal's pause_in_update, is accepted as a no-op)
         state["open"] = True
+        recorder.begin()
         return ok()
 
     @app.post("/end_weight_update")
@@ -124,6 +158,12 @@ def build_app(timeout_s: float = 60.0) -> FastAPI:
         if not state["open"]:
             return _fail("end_weight_update without begin_weight_update")
         state["open"] = False  # nothing to continue (``continue_generation``)
+        recorder.end()
+        for group_name in receiver.group_names:
+            entries = recorder.last(group_name)
+            if entries is not None and state.get("laid") != entries:
+                _lay_out(weights, entries)  # the next update's segments are received in place
+                state["laid"] = entries
         return ok()
 
     @app.post("/pause_generation")
@@ -134,30 +174,79 @@ def build_app(timeout_s: float = 60.0) -> FastAPI:
     def resume(body: dict[str, Any]):
         return ok()
 
+    def receive_and_load(entry: replay.Entry, group_name: str, seq: int | None, checksum: int | None = None):
+        with receiver.receive(
+            names=entry.names,
+            dtypes=entry.dtypes,
+            shapes=entry.shapes,
+            group_name=group_name,
+            checksum=checksum,
+            seq=seq,
+            segments=entry.segments,
+            # the kept tensor, as an engine's weight (as tidal serve: only for segmented buckets)
+            target=(lambda name, shape, dtype: weights.get(name)) if entry.segments else None,
+        ) as tensors:
+            load(tensors)  # the next bucket is received into the other buffer meanwhile
+
     @app.post("/update_weights_from_distributed")
     def update(body: dict[str, Any]):
         if body.get("load_format") != "flattened_bucket":
             return _fail(f"load_format={body.get('load_format')!r}: this receiver takes flattened_bucket")
         if not state["open"]:
             return _fail("update_weights_from_distributed outside begin_weight_update ... end_weight_update")
+        group_name = body.get("group_name", "weight_update_group")
+        entry = replay.Entry(body["names"], body["dtypes"], body["shapes"], body.get("segments"))
+        seq, checksum = body.get("bucket_seq"), body.get("checksum")
+        recorder.add(group_name, seq, entry if checksum is None else None)
         try:
-            with receiver.receive(
-                names=body["names"],
-                dtypes=body["dtypes"],
-                shapes=body["shapes"],
-                group_name=body.get("group_name", "weight_update_group"),
-                checksum=body.get("checksum"),
-                seq=body.get("bucket_seq"),
-                segments=body.get("segments"),
-                # the kept tensor, as an engine's weight (as tidal serve: only for segmented buckets)
-                target=(lambda name, shape, dtype: weights.get(name)) if body.get("segments") else None,
-            ) as tensors:
-                load(tensors)  # the next bucket is received into the other buffer meanwhile
+            receive_and_load(entry, group_name, seq, checksum)
         except Exception as exc:
+            recorder.fail(group_name)
             return _fail(f"receive failed: {type(exc).__name__}: {exc}")
         if body.get("weight_version") is not None:
             state["version"] = body["weight_version"]
         return ok()
+
+    @app.post(replay.ROUTE)
+    def replay_update(body: dict[str, Any]):
+        """tidal's replay_updates: repeat the last announced update of ``group_name`` (replay.py)."""
+        group_name = body.get("group_name", "weight_update_group")
+        entries = recorder.plan(group_name, str(body.get("plan")))
+        if entries is None or group_name not in receiver.group_names:
+            return _fail(
+                f"no recorded plan {body.get('plan')!r} for group {group_name!r}: announce this update"
+            )
+        if not replaying.acquire(timeout=receiver.timeout_s):
+            return _fail("a replayed update is still running")
+        version = body.get("weight_version")
+
+        def finish() -> None:
+            state["replays"] += 1
+            if version is not None:
+                state["version"] = version
+
+        session = replay.ReplaySession(
+            receiver.group(group_name),
+            entries,
+            lambda entry, seq: receive_and_load(entry, group_name, seq),
+            finish,
+            lambda seq: receiver.continue_at(group_name, seq),
+        )
+
+        def run() -> None:
+            try:
+                if not session.run():
+                    recorder.fail(group_name)
+                    print(
+                        f"replayed update of {group_name} failed: {session.error!r}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+            finally:
+                replaying.release()
+
+        threading.Thread(target=run, name="weights-replay", daemon=True).start()
+        return ok("replaying")
 
     @app.post("/tidal/save_weights")
     def save_weights(body: dict[str, Any]):

@@ -23,8 +23,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -32,43 +30,15 @@ import torch.distributed as dist
 from tidal.procs import free_port
 from tidal.weights_sync import bucket, segments, transport, update_calls
 from tidal.weights_sync.config import WeightSyncConfig
-from tidal.weights_sync.engine_api import Announcement, EngineEndpoint, EngineError, EngineWeightsClient
-from tidal.weights_sync.sync_plan import SyncPlan
+from tidal.weights_sync.engine_api import Announcement, EngineEndpoint, EngineWeightsClient
+from tidal.weights_sync.replay_sender import ReplayedSyncs
+from tidal.weights_sync.sync_plan import PlanDiverged, SyncPlan
+from tidal.weights_sync.sync_report import SyncFailed, SyncReport, drain, settle
 
 TensorSource = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 
 
-@dataclass
-class SyncReport:
-    version: int
-    ok: bool = True
-    attempts: int = 0
-    buckets: int = 0
-    bytes: int = 0
-    pack_s: float = 0.0
-    transfer_s: float = 0.0
-    wall_s: float = 0.0
-    # the fixed cost around the buckets (wall, from the first request until every engine answered):
-    # /pause_generation + /begin_weight_update (with one sender they run while the first bucket is
-    # gathered and packed) and /end_weight_update + /continue_generation
-    open_s: float = 0.0
-    close_s: float = 0.0
-    # announcements allowed ahead of the replies: > 1 when every engine receives in bucket_seq order
-    inflight: int = 0
-    bucket_sizes: list[int] = field(default_factory=list)  # bytes of each bucket sent, in order
-    dropped: list[str] = field(default_factory=list)
-    engines: list[str] = field(default_factory=list)
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes / self.wall_s / 1e9 if self.wall_s else 0.0
-
-
-class _Failed(Exception):
-    """An engine failed during this attempt (already dropped)."""
-
-
-class WeightSender:
+class WeightSender(ReplayedSyncs):
     """One trainer rank's part in weight syncs to a set of engines.
 
     ``is_sender``: this rank sends its pipeline stage (tensor-, context- and data-parallel rank 0);
@@ -117,6 +87,9 @@ class WeightSender:
         self._generation = itertools.count()
         self._staging: list[torch.Tensor | None] = [None, None]
         self._plan = SyncPlan()  # the buckets of the last sync, replayed by the next one
+        # (group name, plan digest) of the last sync announced in full to engines that replay updates: the
+        # next sync of the same buckets is replayed (replay.py) instead of announced
+        self._replayable: tuple[str, str] | None = None
         # announcements to engines stuck in a receive may hold a worker until they time out
         self._pool = ThreadPoolExecutor(
             max_workers=max(16, 4 * len(engines)), thread_name_prefix="weights-http"
@@ -155,6 +128,7 @@ class WeightSender:
 
     # ---- group -------------------------------------------------------------------------------
     def _destroy_group(self) -> None:
+        self._replayable = None
         if self._group is None:
             return
         name = self._group.name
@@ -210,11 +184,11 @@ class WeightSender:
                 timeout_s=self.config.timeout_s,
             )  # returns once every engine rank has connected (gloo connects the full mesh)
         except Exception as exc:
-            failed = _settle(futures, self.config.timeout_s)
+            failed = settle(futures, self.config.timeout_s)
             for u in failed or urls:
                 self._drop(u, report)
-            raise _Failed(f"weight-update group {name} could not be formed: {exc}") from exc
-        failed = _settle(futures, self.config.timeout_s)
+            raise SyncFailed(f"weight-update group {name} could not be formed: {exc}") from exc
+        failed = settle(futures, self.config.timeout_s)
         self._group, self._group_engines = group, urls
         declared = [f.result() for f in futures.values()] if not failed else []
         self._declared = {u: f.result() for u, f in futures.items()} if not failed else {}
@@ -224,7 +198,7 @@ class WeightSender:
         if failed:
             for u in failed:
                 self._drop(u, report)
-            raise _Failed(f"engines {failed} did not join {name}")
+            raise SyncFailed(f"engines {failed} did not join {name}")
 
     # ---- sync --------------------------------------------------------------------------------
     def sync(self, source: TensorSource, version: int, retries: int | None = None) -> SyncReport:
@@ -237,7 +211,7 @@ class WeightSender:
             failed = False
             try:
                 self._attempt(source(), version, report)
-            except _Failed:
+            except SyncFailed:
                 failed = True
             if not self._any_failed(failed):
                 report.ok = True
@@ -250,37 +224,52 @@ class WeightSender:
         return report
 
     def _attempt(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int, report: SyncReport) -> None:
-        failure: _Failed | None = None
+        failure: SyncFailed | None = None
+        report.replayed = False
         if self.is_sender and self._clients and (self._group is None or self._group_engines != self.engines):
             try:
                 self._connect(report)
-            except _Failed as exc:
+            except SyncFailed as exc:
                 failure = exc
+        replaying = False
+        if failure is None and self._replay_ready():
+            replaying = self._start_replay(version, report)
+            if not replaying:  # refused: announce this sync over a fresh group (an engine may have started)
+                self._destroy_group()
+                try:
+                    self._connect(report)
+                except SyncFailed as exc:
+                    failure = exc
         opening: update_calls.Calls | None = None
-        if self.coordinator and failure is None:
+        if self.coordinator and failure is None and not replaying:
             opening = self._start_on_all("begin")
             if self.stages > 1:  # the other stages' senders announce once past the barrier: open first
                 failure, opening = self._settle_calls(opening, report), None
         self._barrier()
-        if self.is_sender and failure is None and self._group is not None:
+        if replaying:
+            failure = self._replay_stream(tensors, version, report)
+        elif self.is_sender and failure is None and self._group is not None:
             failure = self._stream(tensors, version, report, opening)
         else:
             if opening is not None:
                 failure = self._settle_calls(opening, report)
-            _drain(tensors)
+            drain(tensors)
         self._barrier()
-        if self.coordinator:
+        if self.coordinator and not replaying:
             failure = failure or self._settle_calls(self._start_on_all("end"), report)
         if failure is not None:
+            self._replayable = None
             raise failure
+        if not replaying:
+            self._record_replayable(report)
 
     def _start_on_all(self, what: str) -> update_calls.Calls:
         """Open (``begin``) or close (``end``) the update on every engine (``update_calls``)."""
         return update_calls.start(what, self._clients, self._declared, self.pause_mode, self._pool)
 
-    def _settle_calls(self, calls: update_calls.Calls, report: SyncReport) -> _Failed | None:
+    def _settle_calls(self, calls: update_calls.Calls, report: SyncReport) -> SyncFailed | None:
         """Wait for ``calls``; drops the engines where one failed (or timed out)."""
-        failed = _settle(calls.futures, self.config.timeout_s)
+        failed = settle(calls.futures, self.config.timeout_s)
         elapsed = max(calls.ended, calls.started) - calls.started
         if calls.what == "begin":
             report.open_s += elapsed
@@ -288,7 +277,7 @@ class WeightSender:
             report.close_s += elapsed
         for u in failed:
             self._drop(u, report)
-        return _Failed(f"{calls.what}_weight_update failed on {failed}") if failed else None
+        return SyncFailed(f"{calls.what}_weight_update failed on {failed}") if failed else None
 
     def _stream(
         self,
@@ -296,7 +285,8 @@ class WeightSender:
         version: int,
         report: SyncReport,
         opening: update_calls.Calls | None = None,
-    ) -> _Failed | None:
+        replaying: bool = False,
+    ) -> SyncFailed | None:
         """Pack buckets here, broadcast them from a second thread; two staging buffers alternate.
 
         ``opening``: the update's opening calls, still in flight: the first bucket is gathered and packed
@@ -306,6 +296,8 @@ class WeightSender:
         so each engine's handler is waiting in its receive when the broadcast starts, and loads bucket
         k while it receives k+1; the reply of bucket k is awaited only after k+1 went out
         (``inflight_buckets``). Other engines (SGLang) get one announcement at a time.
+
+        ``replaying``: the recorded buckets without announcements (the engines replay them, replay.py).
         """
         assert self._group is not None
         group = self._group
@@ -319,9 +311,12 @@ class WeightSender:
         # one bucket waits for the send thread, at most: bounds the tensors the gather holds ahead (a bucket
         # that packs nothing takes no staging buffer, so the two buffers alone would not)
         ready: queue.Queue = queue.Queue(maxsize=1)
-        errors: list[_Failed] = []
+        errors: list[SyncFailed] = []
+        announce = not replaying
         sender = threading.Thread(
-            target=self._send_loop, args=(group, ready, free, window, version, report, errors), daemon=True
+            target=self._send_loop,
+            args=(group, ready, free, window, version, report, errors, announce),
+            daemon=True,
         )
         sender.start()
         first_bytes, bucket_bytes = self.config.bucket_sizes(self.backend)
@@ -346,7 +341,7 @@ class WeightSender:
 
         # the first sync plans its buckets and records them; later ones replay the record
         buckets = self._plan.buckets(
-            tensors, (first_bytes, bucket_bytes, own_bytes, max_bytes), stream, own_bytes
+            tensors, (first_bytes, bucket_bytes, own_bytes, max_bytes), stream, own_bytes, strict=replaying
         )
         it = iter(buckets)
 
@@ -366,14 +361,14 @@ class WeightSender:
                 t0 = time.perf_counter()
                 announced = None
                 early = opening is None or opening.done()  # else: pack while the update opens
-                if window > 1 and not self.config.verify_checksums and early:
+                if announce and window > 1 and not self.config.verify_checksums and early:
                     # announced before packing: the engines post their receives meanwhile, so the
                     # broadcast finds them ready (a checksum can only be announced once packed)
                     if not opened():
                         break
                     announced = self._announce(group, recipe.announcement, None, version)
                 report.pack_s += time.perf_counter() - t0
-                need = recipe.need
+                need = recipe.need if spans is not None else recipe.spec.nbytes
                 # a bucket with nothing to pack takes no staging buffer: the next one's pack need not wait
                 taken = need > 0
                 staging = None
@@ -384,7 +379,10 @@ class WeightSender:
                     if staging is None or staging.numel() < need:
                         staging = torch.empty(max(need, bucket_bytes), dtype=torch.uint8, device=self.device)
                 t0 = time.perf_counter()
-                payload = recipe.payload(items, spans, staging)  # the bucket's broadcasts, in order
+                if spans is None:  # replaying a bucket whose tensors moved: the recorded broadcasts, packed
+                    payload = recipe.payload_packed(items, staging)
+                else:
+                    payload = recipe.payload(items, spans, staging)  # the bucket's broadcasts, in order
                 crc = bucket.checksum(payload) if self.config.verify_checksums else None
                 packed = None
                 if cuda:
@@ -395,11 +393,14 @@ class WeightSender:
                     if taken:
                         free.put((staging, None))
                     break
-                if window > 1 and announced is None:
+                if announce and window > 1 and announced is None:
                     announced = self._announce(group, recipe.announcement, crc, version)
                 _hand_over(
                     ready, (taken, staging, payload, recipe.announcement, crc, announced, packed), sender
                 )
+        except PlanDiverged as exc:
+            errors.append(SyncFailed(f"replayed update: {exc}"))
+            drain(tensors)  # the rest of the source, for the other ranks' collectives
         finally:
             _hand_over(ready, None, sender)
             sender.join()
@@ -407,7 +408,7 @@ class WeightSender:
             self._staging = [free.get()[0] for _ in range(2)]
             if cuda:
                 torch.cuda.synchronize(self.device)
-        _drain(it)  # after a failure: keep gathering so the other ranks' collectives complete
+        drain(it)  # after a failure: keep gathering so the other ranks' collectives complete
         return errors[0] if errors else None
 
     def _announce(
@@ -430,7 +431,9 @@ class WeightSender:
             if client is not None
         }
 
-    def _send_loop(self, group, ready, free, window: int, version: int, report: SyncReport, errors) -> None:
+    def _send_loop(
+        self, group, ready, free, window: int, version: int, report: SyncReport, errors, announce: bool = True
+    ) -> None:
         replies: collections.deque[dict[str, Future]] = collections.deque()  # broadcast, not yet answered
         stream = None
         if self.device.type == "cuda":
@@ -444,7 +447,7 @@ class WeightSender:
             if not errors:
                 t0 = time.perf_counter()
                 try:
-                    if announced is None:
+                    if announced is None and announce:
                         announced = self._announce(group, announcement, crc, version)
                     if stream is not None:
                         stream.wait_event(packed)
@@ -457,10 +460,11 @@ class WeightSender:
                     if stream is not None:
                         sent = torch.cuda.Event()
                         sent.record(stream)
-                    replies.append(announced)
+                    if announced is not None:
+                        replies.append(announced)
                     while len(replies) >= window:
                         self._settle_bucket(replies.popleft(), report)
-                except _Failed as exc:
+                except SyncFailed as exc:
                     errors.append(exc)
                 report.transfer_s += time.perf_counter() - t0
                 report.buckets += 1
@@ -472,7 +476,7 @@ class WeightSender:
         try:
             while replies and not errors:
                 self._settle_bucket(replies.popleft(), report)
-        except _Failed as exc:
+        except SyncFailed as exc:
             errors.append(exc)
         report.transfer_s += time.perf_counter() - t0
 
@@ -490,18 +494,18 @@ class WeightSender:
             for u in dead:
                 self._drop(u, report)
             nbytes = sum(part.numel() for part in payload)
-            raise _Failed(f"broadcast of a {nbytes}-byte bucket failed ({exc}); dropped {dead}") from exc
+            raise SyncFailed(f"broadcast of a {nbytes}-byte bucket failed ({exc}); dropped {dead}") from exc
 
     def _settle_bucket(self, futures: dict[str, Future], report: SyncReport) -> None:
-        failed = _settle(futures, self.config.timeout_s)
+        failed = settle(futures, self.config.timeout_s)
         if failed:
             for u in failed:
                 self._drop(u, report)
-            raise _Failed(f"engines {failed} failed to load a bucket")
+            raise SyncFailed(f"engines {failed} failed to load a bucket")
 
     def _unhealthy(self, urls: list[str]) -> list[str]:
         futures = {u: self._pool.submit(self._clients[u].health) for u in urls if u in self._clients}
-        return _settle(futures, self.config.timeout_s)
+        return settle(futures, self.config.timeout_s)
 
 
 def raw_broadcast(sender: WeightSender, sizes: list[int]) -> float:
@@ -530,7 +534,7 @@ def raw_broadcast(sender: WeightSender, sizes: list[int]) -> float:
     for n in sizes:
         group.broadcast(buf[:n], src=0)
     group.barrier()
-    failed = _settle(futures, sender.config.timeout_s)
+    failed = settle(futures, sender.config.timeout_s)
     if failed:
         raise RuntimeError(f"raw receive failed on {failed}")
     return time.perf_counter() - t0
@@ -545,25 +549,6 @@ def _hand_over(ready: queue.Queue, item, sender: threading.Thread) -> None:
         except queue.Full:
             if not sender.is_alive():
                 raise RuntimeError("the weight-sync send thread died; see its traceback above") from None
-
-
-def _failed(future: Future, timeout_s: float) -> bool:
-    try:
-        future.result(timeout=timeout_s)
-    except (EngineError, FutureTimeout):
-        return True
-    return False
-
-
-def _settle(futures: dict[str, Future], timeout_s: float) -> list[str]:
-    """The engines whose call failed or did not finish within ``timeout_s`` (one deadline for all)."""
-    deadline = time.monotonic() + timeout_s
-    return [u for u, f in futures.items() if _failed(f, max(0.0, deadline - time.monotonic()))]
-
-
-def _drain(tensors: Iterable) -> None:
-    for _ in tensors:
-        pass
 
 
 def _default_barrier() -> None:

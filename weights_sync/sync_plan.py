@@ -90,6 +90,25 @@ class BucketRecipe:
                 torch._foreach_copy_(dsts, srcs)
         return out
 
+    def payload_packed(self, items: list[Item], staging: torch.Tensor) -> list[torch.Tensor]:
+        """The same broadcasts (sizes and order) with every part packed into ``staging`` (``spec.nbytes``
+        bytes at least): a replayed update whose tensors no longer lie back to back still sends what the
+        engine recorded."""
+        out, dsts, srcs, at = [], [], [], 0
+        for part in self.parts:
+            out.append(staging[at : at + part.nbytes])
+            for i in range(part.first, part.end):
+                dtype = bucket._dtype(self.spec.dtypes[i])
+                n = bucket._numel(self.spec.shapes[i]) * dtype.itemsize
+                shape = self.grouped_shapes.get(i, self.spec.shapes[i])
+                dsts.append(staging[at : at + n].view(dtype).view(shape))
+                t = items[i][1]
+                srcs.append(t.grouped if isinstance(t, bucket.GroupedRows) else t)
+                at += n
+        with torch.no_grad():
+            torch._foreach_copy_(dsts, srcs)
+        return out
+
     def _staging_views(self, staging: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         key = staging.data_ptr()
         views = self._views.get(key)
@@ -177,6 +196,10 @@ class _Record:
         )
 
 
+class PlanDiverged(RuntimeError):
+    """A replayed update's source no longer matches the record (another model, dtype or shape)."""
+
+
 class SyncPlan:
     """Recorded syncs, one per bucketing setting (``key``: whatever changes how tensors are bucketed)."""
 
@@ -191,10 +214,15 @@ class SyncPlan:
         key: tuple,
         stream: Callable[[Iterable[Item]], Iterable[list[Item]]],
         own_bytes: int | None,
-    ) -> Iterator[tuple[list[Item], BucketRecipe, list[torch.Tensor]]]:
+        strict: bool = False,
+    ) -> Iterator[tuple[list[Item], BucketRecipe, list[torch.Tensor] | None]]:
         """Each bucket's tensors (in wire order), its recipe and the byte views of its parts sent from their
         own memory. ``stream`` cuts buckets from tensors (``bucket.stream_buckets`` with the sender's sizes)
-        once the record no longer applies. The sync becomes the record once every tensor went out."""
+        once the record no longer applies. The sync becomes the record once every tensor went out.
+
+        ``strict`` (a replayed update, whose engines expect the record's broadcasts): the recorded recipes
+        only; spans are None for a bucket whose own-memory tensors moved (``payload_packed`` sends it), and
+        a source that differs from the record raises ``PlanDiverged``."""
         self.replayed = self.planned = 0
         old = self._records.get(key)
         new = _Record()
@@ -202,6 +230,8 @@ class SyncPlan:
         where: dict[int, int] = {}  # id(tensor) -> source position, for tensors read and not yet bucketed
         pending: dict[int, Item] = {}  # replay: read from the source, not yet in a bucket
         refeed: list[Item] = []  # read during the replay, to be planned afresh
+        if strict and old is None:
+            raise PlanDiverged("no recorded sync to replay")
         for recipe in old.buckets if old is not None else []:
             last = max(recipe.positions)
             while len(new.names) <= last:
@@ -216,6 +246,11 @@ class SyncPlan:
             else:
                 items = [pending.pop(p) for p in recipe.positions]
                 spans = recipe.spans(items)
+                if spans is None and strict:
+                    self.replayed += 1
+                    new.buckets.append(recipe)
+                    yield items, recipe, None
+                    continue
                 if spans is None:  # a tensor sent from its own memory moved: plan this bucket again
                     recipe, items = compile_bucket(items, recipe.positions, own_bytes)
                     spans = recipe.spans(items)
@@ -225,12 +260,20 @@ class SyncPlan:
                 new.buckets.append(recipe)
                 yield items, recipe, spans
                 continue
+            if strict:
+                raise PlanDiverged(f"tensor {len(new.names) - 1} ({new.names[-1]}) differs from the record")
             # the record ends here: what was read and not yet sent is planned with the rest
             for p in sorted(pending):
                 where[_key(pending[p])] = p
                 refeed.append(pending[p])
             pending.clear()
             break
+
+        if strict:
+            if next(source, None) is not None or len(new.names) != len(old.names):
+                raise PlanDiverged(f"the source has {len(new.names)}+ tensors; the record {len(old.names)}")
+            self._records[key] = new
+            return
 
         def tagged() -> Iterator[Item]:
             for item in source:
@@ -247,6 +290,11 @@ class SyncPlan:
             self.planned += 1
             yield ordered, recipe, spans
         self._records[key] = new
+
+    def recorded(self, key: tuple) -> list[BucketRecipe] | None:
+        """The buckets of the last sync with bucketing setting ``key`` (what a replay sends), if any."""
+        record = self._records.get(key)
+        return None if record is None else list(record.buckets)
 
 
 def _key(item: Item) -> tuple[str, int]:

@@ -22,6 +22,7 @@ from tidal.rollout.embedded.memory_routes import add_colocated_routes, engine_gp
 from tidal.rollout.embedded.sampling import SamplingError, SamplingParams
 from tidal.rollout.embedded.service import ENGINE_ERRORS, BadRequest, EmbeddedEngine, GenerateInput
 from tidal.rollout.embedded.weights import ORDERED_BUCKETS
+from tidal.weights_sync import replay
 from tidal.weights_sync.receiver_server import receiver_routes
 
 # The SGLang release whose HTTP protocol this server speaks (reported as /server_info's version).
@@ -103,6 +104,13 @@ class UpdateDistributedBody(_Body):
     checksum: int | None = None  # tidal's extension: CRC32 of a flattened bucket (SGLang ignores it)
     bucket_seq: int | None = Field(None, ge=0)  # tidal's extension: the bucket's place in the sender's order
     segments: list[int] | None = None  # tidal's extension: tensors per broadcast of the bucket
+
+
+class ReplayBody(_Body):
+    group_name: str = "weight_update_group"
+    plan: str
+    weight_version: str
+    pause_mode: Literal["abort", "retract", "in_place"] | None = None
 
 
 class UpdateVersionBody(_Body):
@@ -273,12 +281,12 @@ def create_app(engine: EmbeddedEngine, *, host: str = "", port: int = 0) -> Fast
     async def begin_weight_update(body: BeginUpdateBody | None = None) -> JSONResponse:
         if body is not None and body.pause_mode is not None:
             await engine.pause(body.pause_mode)
-        engine.in_weight_update = True
+        engine.begin_update()
         return result(True, "Weight update session opened.")
 
     @app.post("/end_weight_update")
     async def end_weight_update(body: EndUpdateBody | None = None) -> JSONResponse:
-        engine.in_weight_update = False
+        engine.end_update()
         if body is not None and body.continue_generation:
             if (released := memory_released(engine)) is not None:
                 return result(False, released)
@@ -308,6 +316,20 @@ def create_app(engine: EmbeddedEngine, *, host: str = "", port: int = 0) -> Fast
         if body.weight_version is not None:
             message += f" Weight version updated to {body.weight_version}."
         return result(True, message)
+
+    @app.post(replay.ROUTE)
+    async def replay_weight_update(body: ReplayBody) -> JSONResponse:
+        """tidal's replay_updates: repeat the last announced update (weights_sync/replay.py)."""
+        try:
+            await engine.replay_weight_update(
+                group_name=body.group_name,
+                plan=body.plan,
+                weight_version=body.weight_version,
+                pause_mode=body.pause_mode,
+            )
+        except ENGINE_ERRORS as exc:
+            return result(False, str(exc))
+        return result(True, "Replaying the recorded update.")
 
     @app.post("/update_weight_version")
     async def update_weight_version(body: UpdateVersionBody) -> JSONResponse:

@@ -7,6 +7,8 @@ event loop (the scheduler thread and worker threads do).
 from __future__ import annotations
 
 import asyncio
+import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from tidal.rollout.embedded.model import NamedTensorLoader, WeightLoadError, bui
 from tidal.rollout.embedded.sampling import SamplingParams
 from tidal.rollout.embedded.scheduler import Request, Scheduler
 from tidal.rollout.embedded.weights import WeightReceiver, WeightUpdateError, load_all
+from tidal.weights_sync import replay
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 
@@ -66,6 +69,8 @@ class EmbeddedEngine:
         self.served_model_name = engine.served_model_name or self.model_path
         self.in_weight_update = False
         self._update_lock = asyncio.Lock()
+        self.recorder = replay.Recorder()  # announced updates, replayed by the next sync (replay_updates)
+        self._replaying = threading.Lock()  # held from a replay's acceptance until its session ends
 
     def start(self) -> None:
         self.scheduler.start()
@@ -162,6 +167,15 @@ class EmbeddedEngine:
     async def destroy_weights_update_group(self, group_name: str) -> None:
         await asyncio.to_thread(self.receiver.destroy, group_name)
 
+    def begin_update(self) -> None:
+        """``/begin_weight_update``: the announcements until ``end_update`` are recorded for replays."""
+        self.in_weight_update = True
+        self.recorder.begin()
+
+    def end_update(self) -> None:
+        self.in_weight_update = False
+        self.recorder.end()
+
     async def update_weights_from_distributed(
         self,
         *,
@@ -183,15 +197,53 @@ class EmbeddedEngine:
         received while bucket k is loaded. With ``segments`` a tensor sent on its own is received
         straight into its weight while generation is paused inside a weight update.
         """
+        entry = replay.Entry(names, dtypes, shapes, segments)
+        replayable = load_format == "flattened_bucket" and checksum is None
+        self.recorder.add(group_name, bucket_seq, entry if replayable else None)
 
-        def paused_in_update() -> bool:
-            """Nothing reads the weights: generation is paused inside a weight update."""
-            return self.in_weight_update and self.scheduler.paused is not None
+        async def update() -> None:
+            if abort_all_requests:
+                await self.abort(None, True)
+            try:
+                await asyncio.to_thread(
+                    self._receive_and_load,
+                    entry,
+                    group_name,
+                    load_format,
+                    weight_version,
+                    checksum,
+                    bucket_seq,
+                )
+            except BaseException:
+                self.recorder.fail(group_name)
+                raise
+
+        if bucket_seq is not None:
+            await update()
+            return
+        async with self._update_lock:
+            await update()
+
+    def _paused_in_update(self) -> bool:
+        """Nothing reads the weights: generation is paused inside a weight update."""
+        return self.in_weight_update and self.scheduler.paused is not None
+
+    def _receive_and_load(
+        self,
+        entry: replay.Entry,
+        group_name: str,
+        load_format: str | None,
+        weight_version: str | None,
+        checksum: int | None,
+        seq: int | None,
+    ) -> None:
+        """One bucket, on a worker thread: received (in place where it may be), then loaded."""
+        names, shapes = entry.names, entry.shapes
 
         def in_place_target():
             # only while nothing reads the weights, and only if the whole bucket is known: a bad one is
             # received into the buffer and refused before anything is written
-            if checksum is not None or not paused_in_update():
+            if checksum is not None or not self._paused_in_update():
                 return None
             try:  # shapes only (no meta tensors: this runs per tensor before the receives are posted)
                 self.loader.check([(n, _Announced(s)) for n, s in zip(names, shapes, strict=True)])
@@ -199,41 +251,84 @@ class EmbeddedEngine:
                 return None
             return lambda name, shape, dtype: self.loader.resolve(name)
 
-        def receive_and_load() -> None:
-            with self.receiver.receive_bucket(
-                names=names,
-                dtypes=dtypes,
-                shapes=shapes,
-                group_name=group_name,
-                load_format=load_format,
-                checksum=checksum,
-                seq=bucket_seq,
-                segments=segments,
-                target=in_place_target() if segments is not None else None,
-            ) as received:
+        with self.receiver.receive_bucket(
+            names=names,
+            dtypes=entry.dtypes,
+            shapes=shapes,
+            group_name=group_name,
+            load_format=load_format,
+            checksum=checksum,
+            seq=seq,
+            segments=entry.segments,
+            target=in_place_target() if entry.segments is not None else None,
+        ) as received:
 
-                def load() -> None:
-                    load_all(self.loader, received)  # checks every name and shape before it writes any
-                    if weight_version is not None:
-                        self.scheduler.set_version(weight_version)
+            def load() -> None:
+                load_all(self.loader, received)  # checks every name and shape before it writes any
+                if weight_version is not None:
+                    self.scheduler.set_version(weight_version)
 
-                if paused_in_update() and weight_version in (None, self.scheduler.weight_version):
-                    # nothing to hand to the scheduler thread (the version is set; only it may change
-                    # that): loaded here, without two thread hops on the sync's critical path
-                    load_all(self.loader, received)
-                    return
-                self.scheduler.call(load, drain=True).result()  # the buffer is reused once this returns
+            if self._paused_in_update() and weight_version in (None, self.scheduler.weight_version):
+                # nothing to hand to the scheduler thread (the version is set; only it may change
+                # that): loaded here, without two thread hops on the sync's critical path
+                load_all(self.loader, received)
+                return
+            self.scheduler.call(load, drain=True).result()  # the buffer is reused once this returns
 
-        async def update() -> None:
-            if abort_all_requests:
-                await self.abort(None, True)
-            await asyncio.to_thread(receive_and_load)
+    async def replay_weight_update(
+        self, *, group_name: str, plan: str, weight_version: str, pause_mode: str | None
+    ) -> None:
+        """Start replaying the last announced update of ``group_name`` (tidal's replay_updates,
+        weights_sync/replay.py): returns once ready to receive; a thread receives, loads, sets
+        ``weight_version`` and joins the status all-reduce. Generation stays paused after a failed replay
+        (its weights are partly new); the sender's next attempt announces the update and continues it."""
+        entries = self.recorder.plan(group_name, plan)
+        if entries is None or group_name not in self.receiver.groups:
+            raise WeightUpdateError(
+                f"no recorded update {plan!r} for group {group_name!r}: announce this update instead"
+            )
+        if pause_mode is not None and pause_mode not in PAUSE_MODES:
+            raise BadRequest(f"pause_mode={pause_mode!r}: choose one of {list(PAUSE_MODES)}")
+        if not await asyncio.to_thread(self._replaying.acquire, timeout=self.config.weight_update_timeout_s):
+            raise WeightUpdateError("the previous replayed update is still running")
+        try:
+            if pause_mode is not None:
+                await self.pause(pause_mode)
+            self.in_weight_update = True
+        except BaseException:
+            self._replaying.release()
+            raise
 
-        if bucket_seq is not None:
-            await update()
-            return
-        async with self._update_lock:
-            await update()
+        def finish() -> None:
+            # every bucket is loaded: the new version, and generation goes on before the status all-reduce
+            # returns to the sender (whatever another engine reports, these weights are complete)
+            self.scheduler.call(lambda: self.scheduler.set_version(weight_version)).result()
+            self.in_weight_update = False
+            if pause_mode is not None:
+                self.scheduler.call(self.scheduler.resume).result()
+
+        session = replay.ReplaySession(
+            self.receiver.shared.group(group_name),
+            entries,
+            lambda entry, seq: self._receive_and_load(entry, group_name, "flattened_bucket", None, None, seq),
+            finish,
+            lambda seq: self.receiver.shared.continue_at(group_name, seq),
+        )
+
+        def run() -> None:
+            try:
+                if not session.run():
+                    self.in_weight_update = False
+                    self.recorder.fail(group_name)
+                    print(
+                        f"replayed update of {group_name} failed: {session.error!r}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+            finally:
+                self._replaying.release()
+
+        threading.Thread(target=run, name="weights-replay", daemon=True).start()
 
     def get_weights_by_name(self, name: str, truncate_size: int) -> list:
         try:

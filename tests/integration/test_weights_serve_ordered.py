@@ -138,8 +138,9 @@ def test_serve_receives_pipelined_ordered_buckets_bitwise(engine_url):
 
 
 def test_a_second_sync_replays_the_recorded_plan_and_leaves_the_engine_generating(engine_url):
-    """The same sender twice: the second sync replays the first one's buckets (no planning), both land
-    bitwise, and each sync opens and closes with one call (pause_in_update), leaving generation running."""
+    """The same sender twice: the second sync replays the first one's buckets (no planning, no
+    announcements: one call per engine, replay.py), both land bitwise, and generation keeps running (the
+    first sync opens and closes with one call each, pause_in_update; the replay resumes it itself)."""
     url = engine_url
     config = WeightSyncConfig(
         bucket_bytes=16 << 10, segmented_bucket_bytes=16 << 10, timeout_s=30, own_broadcast_bytes=8 << 10
@@ -155,6 +156,8 @@ def test_a_second_sync_replays_the_recorded_plan_and_leaves_the_engine_generatin
             state = httpx.get(f"{url}/server_info", timeout=30).json()["internal_states"][0]
             assert state["paused"] is None, state  # continued by the closing call
         assert sender._plan.replayed == report.buckets > 1 and sender._plan.planned == 0
+        # ... and without announcements: the engine recorded the first sync and replayed it (replay.py)
+        assert report.replayed, "the engine did not declare replay_updates or refused the recorded plan"
     finally:
         sender.close()
     reference = build_model(ModelConfig(**MODEL), seed=22, device="cpu", dtype="float32", fuse=False)

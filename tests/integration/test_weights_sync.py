@@ -109,6 +109,55 @@ def test_sync_delivers_every_tensor_bitwise_to_every_engine(receivers, checkpoin
         sender.close()
 
 
+def test_a_repeated_sync_is_replayed_without_announcements(receivers, checkpoint, tmp_path):
+    """After a sync announced in full, the next one of the same tensors is one call per engine, a header, the
+    broadcasts and a status all-reduce (replay.py); a source that changed, or an engine without the plan,
+    gets an announced sync instead, and every sync lands bitwise."""
+    _, urls = receivers
+    config = WeightSyncConfig(bucket_bytes=64 << 10, timeout_s=20, own_broadcast_bytes=512 << 10)
+    sender = WeightSender(config, [EngineEndpoint(u) for u in urls])
+    total = sum(t.numel() * t.element_size() for t in checkpoint.values())
+    try:
+        first = sender.sync(lambda: iter(checkpoint.items()), version=11)
+        assert first.ok and not first.replayed and first.buckets > 3
+        before = [_stats(u) for u in urls]
+        doubled = {n: t * 2 for n, t in checkpoint.items()}
+        again = sender.sync(lambda: iter(doubled.items()), version=12)
+        assert again.ok and again.replayed and again.attempts == 1 and again.buckets == first.buckets
+        for i, (url, old) in enumerate(zip(urls, before, strict=True)):
+            stats = _stats(url)
+            assert stats["replays"] == old["replays"] + 1 and stats["version"] == "12"
+            assert stats["bytes"] - old["bytes"] == total
+            got = _engine_tensors(url, tmp_path / f"replayed{i}")
+            assert all(torch.equal(got[n], t) for n, t in doubled.items())
+
+        # another model (a layer fewer): the replay stops at the first tensor that differs from the record;
+        # the engines' receives fail with the group, and the next attempt announces the sync
+        fewer = {n: t - 1 for n, t in checkpoint.items() if "layers.3." not in n}
+        third = sender.sync(lambda: iter(fewer.items()), version=13)
+        assert third.ok and third.attempts == 2 and not third.replayed and third.dropped == []
+        got = _engine_tensors(urls[1], tmp_path / "fewer")
+        assert all(torch.equal(got[n], t) for n, t in fewer.items())
+        assert all(_stats(u)["version"] == "13" for u in urls)
+
+        # an engine without the plan refuses it before anything is sent: announced, first attempt
+        sender._replayable = (sender._group.name, "0" * 32)
+        fourth = sender.sync(lambda: iter(fewer.items()), version=14)
+        assert fourth.ok and fourth.attempts == 1 and not fourth.replayed
+        assert all(_stats(u)["version"] == "14" for u in urls)
+        fifth = sender.sync(lambda: iter(fewer.items()), version=15)  # recorded again: replayed
+        assert fifth.ok and fifth.replayed and all(_stats(u)["version"] == "15" for u in urls)
+    finally:
+        sender.close()
+
+
+def test_a_replay_with_an_unknown_plan_is_refused_and_the_engine_keeps_serving(receivers):
+    _, urls = receivers
+    resp = httpx.post(f"{urls[0]}/tidal/replay_weight_update", json={"plan": "nope", "weight_version": "1"})
+    assert resp.status_code == 400 and "announce this update" in resp.json()["message"]
+    assert httpx.get(f"{urls[0]}/health", timeout=10).status_code == 200
+
+
 @pytest.mark.slow
 def test_a_joining_engine_gets_everything_at_the_next_sync(receivers, checkpoint, tmp_path):
     _, urls = receivers

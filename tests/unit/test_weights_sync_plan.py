@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
-from tidal.weights_sync import bucket, segments
-from tidal.weights_sync.sync_plan import SyncPlan
+from tidal.weights_sync import bucket, replay, segments
+from tidal.weights_sync.sync_plan import PlanDiverged, SyncPlan
 
 OWN = 16 << 10  # bytes: tensors of at least this go out from their own memory
 
@@ -179,3 +180,92 @@ def test_a_bucket_whose_packed_part_is_only_an_empty_tensor_is_sent():
     plan = SyncPlan()
     for _ in range(2):  # planned, then replayed
         _assert_equal(_send(plan, source()), dict(source()))
+
+
+def _send_strict(plan: SyncPlan, source) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
+    """A replayed update: what each recorded bucket's broadcasts deliver, and their sizes (the wire)."""
+    got, sizes = {}, []
+    for items, recipe, spans in plan.buckets(source, ("key",), _stream, OWN, strict=True):
+        if spans is None:
+            payload = recipe.payload_packed(items, torch.empty(recipe.spec.nbytes, dtype=torch.uint8))
+        else:
+            staging = torch.empty(recipe.need, dtype=torch.uint8) if recipe.need else None
+            payload = recipe.payload(items, spans, staging)
+        sizes.append([p.numel() for p in payload])
+        wire = torch.cat([p.contiguous().view(torch.uint8) for p in payload])
+        got.update((n, t.clone()) for n, t in bucket.unpack(wire, recipe.spec))
+    return got, sizes
+
+
+def test_a_strict_replay_sends_the_recorded_broadcasts_even_when_tensors_moved():
+    """An engine replaying an update expects the recorded broadcasts, size for size: gate and up that no
+    longer lie back to back are packed into the staging buffer instead of being planned afresh."""
+    plan = SyncPlan()
+    state = _model()
+    _send(plan, _source(state))
+    _, recorded = _send_strict(plan, _source(state))
+
+    def split_fc1():
+        for name, t in _source(state):
+            yield name, (t.clone() if name.endswith((".gate", ".up")) else t)
+
+    got, sizes = _send_strict(plan, split_fc1())
+    assert sizes == recorded
+    _assert_equal(got, _expected(state))
+    assert plan.planned == 0
+
+
+def test_a_strict_replay_of_another_source_raises_plan_diverged():
+    plan = SyncPlan()
+    _send(plan, _source(_model(layers=3)))
+    for other in (_model(layers=2), _model(layers=4), _model(layers=3, dtype=torch.bfloat16)):
+        with pytest.raises(PlanDiverged):
+            _send_strict(plan, _source(other))
+    with pytest.raises(PlanDiverged, match="no recorded sync"):
+        _send_strict(SyncPlan(), _source(_model()))
+
+
+def test_the_recorded_plans_digest_survives_the_announcements_json():
+    """The sender digests its recipes; the engine digests the announcements it parsed from JSON."""
+    plan = SyncPlan()
+    _send(plan, _source(_model()))
+    entries = [
+        replay.Entry(
+            r.announcement.names, r.announcement.dtypes, r.announcement.shapes, r.announcement.segments
+        )
+        for r in plan.recorded(("key",))
+    ]
+    parsed = []
+    for r in plan.recorded(("key",)):
+        body = json.loads(r.announcement.body(group_name="g", bucket_seq=0))
+        parsed.append(replay.Entry(body["names"], body["dtypes"], body["shapes"], body.get("segments")))
+    assert replay.plan_digest(parsed) == replay.plan_digest(entries)
+    assert replay.plan_digest(parsed[:-1]) != replay.plan_digest(entries)
+
+
+def test_the_recorder_keeps_only_complete_ordered_updates():
+    rec = replay.Recorder()
+    a, b = replay.Entry(["x"], ["float32"], [[2]], None), replay.Entry(["y"], ["float32"], [[3]], [1])
+    rec.begin()
+    rec.add("g", 4, b)
+    rec.add("g", 3, a)  # arrival order does not matter; bucket_seq does
+    rec.end()
+    digest = replay.plan_digest([a, b])
+    assert (
+        rec.plan("g", digest) == [a, b] and rec.plan("g", "other") is None and rec.plan("h", digest) is None
+    )
+    rec.begin()
+    rec.add("g", 0, a)
+    rec.add("g", 2, b)  # a gap: not the whole update
+    rec.end()
+    assert rec.plan("g", digest) is None and rec.last("g") is None
+    for broken in ("unordered", "failed"):
+        rec.begin()
+        rec.add("g", 0, a)
+        if broken == "unordered":
+            rec.add("g", None, b)
+        else:
+            rec.add("g", 1, b)
+            rec.fail("g")
+        rec.end()
+        assert rec.last("g") is None, broken
