@@ -93,6 +93,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.failure: str | None = None
         self.capture_seconds = 0.0
+        self.stale = False  # graphs dropped because the weights moved; captured again by the scheduler
 
     def _forward(self, rows: int, length: int) -> torch.Tensor:
         return self.decoder(self.ids[:rows], self.positions[:rows], length, masked=True)
@@ -101,6 +102,7 @@ class DecodeGraphs:
         """Capture a graph for every bucket pair (the pool's slots must all be free: padding writes there)."""
         if not self.capture or self.failure is not None:
             return
+        self.stale = False
         t0 = time.perf_counter()
         self.ids.zero_()
         self.positions.zero_()
@@ -128,6 +130,17 @@ class DecodeGraphs:
             self.failure = f"{type(exc).__name__}: {exc}"
             log.warning("CUDA graph capture failed, decoding eagerly: %s", self.failure)
         self.capture_seconds = time.perf_counter() - t0
+
+    def drop_graphs(self) -> None:
+        """Drop the captured graphs: they replay the addresses the weights had at capture, which a relayout
+        (``arena.relayout``) frees. Marks them ``stale``: the scheduler captures again once the pool's slots
+        are all free (a capture writes padding rows there); meanwhile the padded step runs eagerly."""
+        if not self.capture or self.failure is not None:
+            return
+        if self.graphs and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no replay in flight still reads through them
+        self.graphs.clear()  # their private memory pool goes with the last graph
+        self.stale = True
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, last: int, uniform: bool) -> torch.Tensor:
         """Same contract as :class:`EagerDecode`; the rows past ``len(ids)`` up to the bucket are padding."""

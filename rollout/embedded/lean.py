@@ -170,6 +170,22 @@ class LeanDecoder:
         )
         return kernel, how
 
+    def refresh_weights(self) -> None:
+        """Take the model's weight tensors again and re-point the native step at their addresses: after the
+        weights moved (``arena.relayout``), or were replaced by other tensor objects. The rotary tables and
+        the KV pool are not weights and stay."""
+        lm = self.lm
+        self.layers = [self._layer(layer) for layer in lm.model.layers]
+        self.embed = lm.model.embed_tokens.weight
+        self.final_norm = lm.model.norm.weight
+        self.lm_head = lm.get_output_embeddings().weight
+        if self.native_step is not None:
+            problem = native_step.unsupported_reason(self)
+            if problem is None:
+                self.native_step.rebind()
+            else:  # the native step reads weights in their own layout: PyTorch's ops from here on
+                self.native_step, self.step = None, f"torch ({problem}, after the weights moved)"
+
     def _layer(self, layer: nn.Module) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         moe = hasattr(mlp, "experts")

@@ -111,6 +111,11 @@ class NativeStep:
         ptr = ctypes.POINTER(ctypes.c_double)
         self.model.timings = ctypes.cast(self.timings.data_ptr(), ptr) if on else ptr()
 
+    def rebind(self) -> None:
+        """Re-read the weights' (and the pool's) addresses now, e.g. after ``arena.relayout`` moved them; the
+        compiled code stays. Every step binds again before its call as well."""
+        self._bind()
+
     def _bind(self) -> None:
         """Point the model description at the tensors as they are now (a woken storage may have moved)."""
         d, m = self.d, self.model

@@ -134,6 +134,7 @@ class Scheduler:
                 graphs = self.decode_mode == "cuda_graphs"
                 self._lean_step = DecodeGraphs(lean, max_batch_size, max_seq_len, capture=graphs)
             self.step = lean.step
+        self._lean = lean
         self.prefill_mode, self.prefill_reason = self._prefill_mode(prefill, lean)
         self._lean_prefill = LeanPrefill(lean) if self.prefill_mode == "lean" else None
         self.waiting: collections.deque[Request] = collections.deque()
@@ -233,12 +234,7 @@ class Scheduler:
         torch.set_num_threads(self._num_threads)
         try:
             if isinstance(self._lean_step, DecodeGraphs):
-                with torch.inference_mode():
-                    self._lean_step.capture_all()
-                if self._lean_step.failure is not None:
-                    self.decode_mode = "lean"
-                    self.decode_reason = f"CUDA graph capture failed: {self._lean_step.failure}"
-                    self._lean_step = EagerDecode(self._lean_step.decoder)
+                self._capture_graphs()
             while True:
                 with self._cond:
                     while not self._stop and not self._has_work():
@@ -258,6 +254,8 @@ class Scheduler:
                     continue
                 if self.paused is not None:
                     continue
+                if self._graphs_stale():
+                    self._capture_graphs()
                 with torch.inference_mode():
                     if self.waiting and self.pool.free_slots and not self._drain_calls:
                         self._prefill()
@@ -267,6 +265,20 @@ class Scheduler:
             self._error = exc
             traceback.print_exc()
             self._fail_all(exc)
+
+    def _capture_graphs(self) -> None:
+        """Capture the padded step's CUDA graphs (the pool's slots must be free); if that fails, decode eagerly."""
+        with torch.inference_mode():
+            self._lean_step.capture_all()
+        if self._lean_step.failure is not None:
+            self.decode_mode = "lean"
+            self.decode_reason = f"CUDA graph capture failed: {self._lean_step.failure}"
+            self._lean_step = EagerDecode(self._lean_step.decoder)
+
+    def _graphs_stale(self) -> bool:
+        """Graphs were dropped (weights_moved) and can be captured now: no request holds a KV slot."""
+        step = self._lean_step
+        return isinstance(step, DecodeGraphs) and step.stale and self.pool.free_slots == self.pool.num_slots
 
     def _has_work(self) -> bool:
         if self._calls or (self._drain_calls and (not self.running or self.paused is not None)):
@@ -505,6 +517,20 @@ class Scheduler:
             if req.output_ids:
                 req.version_events.append((self.weight_version, len(req.output_ids)))
         self.weight_version = version
+
+    def weights_moved(self) -> None:
+        """Refresh whatever holds the weights' addresses after they moved (``arena.relayout``). Run it on the
+        scheduler thread (through :meth:`call`) or while the scheduler runs no step.
+
+        The lean decoder takes the model's tensors again and re-points the native step at them; captured CUDA
+        graphs are dropped and captured again before the first step that finds every KV slot free (until
+        then the padded step runs eagerly). The lean prefill reads through the decoder and transformers'
+        modules read their own parameters; the rotary tables and the KV pool are not weights."""
+        if self._lean is not None:
+            self._lean.refresh_weights()
+            self.step = self._lean.step  # says so if the native step no longer applies
+        if isinstance(self._lean_step, DecodeGraphs):
+            self._lean_step.drop_graphs()
 
     def idle(self) -> bool:
         return not self.running and not self.waiting
