@@ -169,6 +169,7 @@ def run_size(sender: WeightSender, urls: list[str], target: int, model: ModelCon
                     cpu_s=cpu1 - cpu0,
                     bytes=report.bytes,
                     buckets=report.buckets,
+                    replayed=int(report.replayed),
                     tensors=tensors,
                 )
             )
@@ -194,6 +195,7 @@ def _summary(
         tensors=full[0]["tensors"],
         hidden=model.hidden_size,
         tp=args.tp,
+        trainer_layout=args.trainer_layout,
         sync=med,
         sync_gbps=nbytes / med["wall_s"] / 1e9,
         raw_s=raw_s,
@@ -286,6 +288,13 @@ def main() -> int:
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    p.add_argument(
+        "--trainer-layout",
+        default="ddp",
+        choices=["ddp", "separate"],
+        help="the one-rank trainer's tensors: views into one buffer as megatron's DDP with the distributed "
+        "optimizer keeps them (last parameter first), or one allocation each (before session 9)",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument(
@@ -392,6 +401,7 @@ def main() -> int:
         repeats=args.repeats,
         dtype=args.dtype,
         tp=args.tp,
+        trainer_layout=args.trainer_layout,
         threads=args.threads,
         backend=args.backend,
         device=args.device,

@@ -45,13 +45,30 @@ def model_for_bytes(target: int, dtype_bytes: int) -> ModelConfig:
     )
 
 
-def megatron_state(model: ModelConfig, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
-    """Full megatron-core tensors of ``model`` (values are irrelevant to throughput: constant fill)."""
+# megatron's DDP with the distributed optimizer starts each parameter at a multiple of 64 elements
+_DDP_ALIGN = 64
+
+
+def megatron_state(
+    model: ModelConfig, dtype: torch.dtype, device: str, layout: str = "ddp"
+) -> dict[str, torch.Tensor]:
+    """Full megatron-core tensors of ``model`` (values are irrelevant to throughput: constant fill).
+
+    ``layout="ddp"``: views into one buffer, as the trainer's parameters are under megatron's
+    DistributedDataParallel with the distributed optimizer (tidal's default): the last parameter first, each
+    starting at a multiple of 64 elements. ``"separate"``: one allocation per tensor."""
     mapping = mapping_for(model)
     shapes = megatron_shapes(model)
     for name in shapes:
         mapping.rule_for(name)  # every benchmark tensor is one the mapping knows
-    return {n: torch.full(s, 0.5, dtype=dtype, device=device) for n, s in shapes.items()}
+    if layout == "separate":
+        return {n: torch.full(s, 0.5, dtype=dtype, device=device) for n, s in shapes.items()}
+    offsets, end = {}, 0
+    for name in reversed(shapes):
+        offsets[name] = end
+        end += -(-math.prod(shapes[name]) // _DDP_ALIGN) * _DDP_ALIGN
+    buffer = torch.full((end,), 0.5, dtype=dtype, device=device)
+    return {n: buffer[offsets[n] : offsets[n] + math.prod(s)].view(s) for n, s in shapes.items()}
 
 
 def start_receivers(
@@ -102,7 +119,7 @@ def start_receivers(
 def local_source(model: ModelConfig, args):
     """One trainer rank holding full megatron-core tensors: the sync converts them (no gather)."""
     mapping = mapping_for(model)
-    state = megatron_state(model, getattr(torch, args.dtype), args.device)
+    state = megatron_state(model, getattr(torch, args.dtype), args.device, args.trainer_layout)
 
     def make(times: GatherTimes):
         for name, tensor in state.items():

@@ -39,6 +39,13 @@ class EmbeddedEngineConfig(BaseModel):
     fuse_projections: bool = Field(
         True, description="run Q/K/V and gate/up as one matmul each (weights stay shared with the model's)"
     )
+    relayout_weights: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="after the first weight update announced in full, move the weights into one arena per dtype "
+        "in the order the sender's broadcasts carry them, so later updates are received in place, one "
+        "broadcast per bucket (arena.py; costs one more copy of the weights' memory, once); auto: on for CPU "
+        "engines, off on CUDA (not yet measured there)",
+    )
     decode: Literal["auto", "lean", "cuda_graphs", "transformers"] = Field(
         "auto",
         description="decode step: tidal's lean forward (qwen3, qwen3_moe), as CUDA graphs per batch/length "

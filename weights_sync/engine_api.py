@@ -19,7 +19,7 @@ from typing import Any
 from tidal.weights_sync import replay
 
 # tidal's receive extensions an engine may declare in its /init_weights_update_group reply (SGLang: none)
-EXTENSIONS = ("ordered_buckets", "bucket_segments", "pause_in_update", "replay_updates")
+EXTENSIONS = ("ordered_buckets", "bucket_segments", "pause_in_update", "replay_updates", "grouped_qkv")
 
 # an idle connection is reused only this long: servers close idle keep-alive connections (uvicorn after
 # 5 s), and a request sent as the server closes would fail

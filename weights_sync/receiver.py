@@ -44,12 +44,14 @@ from tidal.weights_sync import bucket, transport
 # ``pause_in_update``: ``/begin_weight_update`` takes ``pause_mode`` (pauses generation first, as
 # ``/pause_generation`` would) and ``/end_weight_update`` takes ``continue_generation: true`` (continues it
 # after), so opening and closing an update cost one round trip each instead of two.
-# ``replay_updates``: ``/tidal/replay_weight_update`` repeats the last fully announced update (replay.py).
+# ``replay_updates``: ``/tidal/replay_weight_update`` repeats the last fully announced update (replay.py);
+# ``grouped_qkv``: megatron's fused QKV may come whole, as ``<prefix>.qkv_proj.weight`` (grouped_qkv.py).
 DECLARED_EXTENSIONS = {
     "ordered_buckets": True,
     "bucket_segments": True,
     "pause_in_update": True,
     "replay_updates": True,
+    "grouped_qkv": True,
 }
 
 # bucket layouts whose views a receive buffer keeps (a sync's buckets alternate between two buffers)

@@ -24,7 +24,7 @@ import torch
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse
 
-from tidal.weights_sync import hf_io, replay
+from tidal.weights_sync import grouped_qkv, hf_io, replay
 from tidal.weights_sync.receiver import DECLARED_EXTENSIONS, WeightReceiver
 
 
@@ -91,6 +91,19 @@ def _lay_out(weights: dict[str, torch.Tensor], entries: list[replay.Entry]) -> N
             weights[name] = view
             at += t.nbytes
         at = start + -(-(at - start) // 64) * 64
+
+
+def _hf_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The kept tensors under Hugging Face names: fused QKVs (``grouped_qkv``) taken apart into q, k, v."""
+    out = {}
+    for name, t in weights.items():
+        names = grouped_qkv.parts(name)
+        if names is None or t.dim() != 4:
+            out[name] = t
+            continue
+        for part, view in zip(names, grouped_qkv.split(t), strict=True):
+            out[part] = view.reshape(-1, t.shape[-1])
+    return out
 
 
 def build_app(timeout_s: float = 60.0) -> FastAPI:
@@ -183,8 +196,8 @@ def build_app(timeout_s: float = 60.0) -> FastAPI:
             checksum=checksum,
             seq=seq,
             segments=entry.segments,
-            # the kept tensor, as an engine's weight (as tidal serve: only for segmented buckets)
-            target=(lambda name, shape, dtype: weights.get(name)) if entry.segments else None,
+            # the kept tensor, as an engine's weight
+            target=lambda name, shape, dtype: weights.get(name),
         ) as tensors:
             load(tensors)  # the next bucket is received into the other buffer meanwhile
 
@@ -251,7 +264,7 @@ def build_app(timeout_s: float = 60.0) -> FastAPI:
     @app.post("/tidal/save_weights")
     def save_weights(body: dict[str, Any]):
         with lock:
-            hf_io.save(body["path"], dict(weights))
+            hf_io.save(body["path"], _hf_names(weights))
         return ok()
 
     @app.get("/health")

@@ -46,11 +46,16 @@ class ReplayedSyncs:
             self._replayable = (group.name, replay.plan_digest([_entry(r) for r in recipes]))
 
     def _bucketing(self) -> tuple:
-        """What decides how tensors are bucketed (the key of the sync plan's record)."""
+        """What decides how tensors are bucketed (the key of the sync plan's record): the first and other
+        buckets' bytes, the own-broadcast and segmented-bucket bytes (engines that take segments), and
+        whether fused QKVs go whole (engines that all declared ``grouped_qkv``)."""
         first_bytes, bucket_bytes = self.config.bucket_sizes(self.backend)
         own_bytes = self.config.own_bytes(self.backend) if self._segmented else None
         max_bytes = self.config.segmented_bytes(self.backend) if own_bytes is not None else None
-        return (first_bytes, bucket_bytes, own_bytes, max_bytes)
+        grouped = own_bytes is not None and all(
+            "grouped_qkv" in self._declared.get(u, ()) for u in self._group_engines
+        )
+        return (first_bytes, bucket_bytes, own_bytes, max_bytes, grouped)
 
     def _start_replay(self, version: int, report: SyncReport) -> bool:
         """Ask every engine to replay the recorded plan; False when one refused (nothing sent yet)."""

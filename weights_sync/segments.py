@@ -34,6 +34,9 @@ def plan(
     (None, run) for q/k/v of one fused QKV, packed. The announcement lists the tensors in this order."""
     if own_bytes is None:
         return [(None, items)]
+    # in memory order: megatron's DDP keeps a model's parameters in one buffer, last layer first, so the
+    # tensors that lie back to back come in the reverse order of the source's
+    items = sorted(items, key=_address)
     adjacent: list[list[tuple[str, bucket.Packable]]] = []  # runs of back-to-back tensors, or one packable
     end = None  # (storage address, byte address) where the last contiguous tensor ends
     for name, t in items:
@@ -63,6 +66,12 @@ def plan(
             loose.extend(run)
     # the bucket's order is free: gathering the small tensors saves broadcasts (each costs thread hand-offs)
     return ([(None, loose)] if loose else []) + runs
+
+
+def _address(item: tuple[str, bucket.Packable]) -> tuple[int, int]:
+    t = item[1]
+    t = t.grouped if isinstance(t, bucket.GroupedRows) else t
+    return t.untyped_storage().data_ptr(), t.data_ptr()
 
 
 def same_grouped(a: bucket.Packable, b: bucket.Packable) -> bool:

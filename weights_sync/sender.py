@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tidal.procs import free_port
-from tidal.weights_sync import bucket, segments, transport, update_calls
+from tidal.weights_sync import bucket, grouped_qkv, segments, transport, update_calls
 from tidal.weights_sync.config import WeightSyncConfig
 from tidal.weights_sync.engine_api import Announcement, EngineEndpoint, EngineWeightsClient
 from tidal.weights_sync.replay_sender import ReplayedSyncs
@@ -319,9 +319,9 @@ class WeightSender(ReplayedSyncs):
             daemon=True,
         )
         sender.start()
-        first_bytes, bucket_bytes = self.config.bucket_sizes(self.backend)
-        own_bytes = self.config.own_bytes(self.backend) if self._segmented else None
-        max_bytes = self.config.segmented_bytes(self.backend) if own_bytes is not None else None
+        first_bytes, bucket_bytes, own_bytes, max_bytes, grouped = self._bucketing()
+        if grouped:  # megatron's fused QKV goes whole, from the trainer's memory (grouped_qkv.py)
+            tensors = grouped_qkv.fuse(tensors)
 
         def stream(items):
             if own_bytes is None:
@@ -340,9 +340,7 @@ class WeightSender(ReplayedSyncs):
             )
 
         # the first sync plans its buckets and records them; later ones replay the record
-        buckets = self._plan.buckets(
-            tensors, (first_bytes, bucket_bytes, own_bytes, max_bytes), stream, own_bytes, strict=replaying
-        )
+        buckets = self._plan.buckets(tensors, self._bucketing(), stream, own_bytes, strict=replaying)
         it = iter(buckets)
 
         def opened() -> bool:

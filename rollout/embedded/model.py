@@ -16,6 +16,7 @@ import torch
 from tidal.model_config import ModelConfig
 from tidal.rollout.embedded.fused import fuse_projections
 from tidal.rollout.embedded.kv_cache import ATTENTION_NAME, register_attention
+from tidal.weights_sync import grouped_qkv
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -65,6 +66,8 @@ class NamedTensorLoader:
         self.lm = lm
         self.targets: dict[str, torch.Tensor] = dict(lm.named_parameters(remove_duplicate=False))
         self.targets.update(dict(lm.named_buffers()))
+        # fused QKVs received in place (grouped_qkv), by name: their rows are copied into q/k/v after
+        self.landings: dict[str, torch.Tensor] = {}
 
     def resolve(self, name: str) -> torch.Tensor:
         """The tensor (possibly a view into a fused parameter) that ``name`` writes to."""
@@ -90,6 +93,15 @@ class NamedTensorLoader:
     def check(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Raise before anything is written if a name is unknown or a shape does not match."""
         for name, tensor in named:
+            parts = grouped_qkv.parts(name)
+            if parts is not None:
+                if len(tensor.shape) != 4:
+                    raise WeightLoadError(
+                        f"{name!r} is megatron's fused QKV, shaped [groups, q_heads + 2, head_dim, hidden]; "
+                        f"received {list(tensor.shape)}"
+                    )
+                self.check(list(zip(parts, map(_Shaped, grouped_qkv.part_shapes(tensor.shape)), strict=True)))
+                continue
             target = self.resolve(name)
             if tuple(target.shape) != tuple(tensor.shape):
                 raise WeightLoadError(
@@ -97,11 +109,40 @@ class NamedTensorLoader:
                     f"{list(target.shape)}"
                 )
 
+    def copies(self, name: str, tensor: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(destination, source) pairs that load ``tensor`` under ``name`` (three for a fused QKV)."""
+        parts = grouped_qkv.parts(name)
+        if parts is None:
+            return [(self.resolve(name), tensor)]
+        sources = grouped_qkv.split(tensor)
+        return [(self.resolve(n).view(src.shape), src) for n, src in zip(parts, sources, strict=True)]
+
+    def target(self, name: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+        """Where ``name`` may be received in place: its weight, or for a fused QKV a landing tensor kept
+        for it (``unscramble`` copies its rows into q/k/v once the bytes are in)."""
+        if grouped_qkv.parts(name) is None:
+            return self.resolve(name)
+        kept = self.landings.get(name)
+        if kept is None or list(kept.shape) != list(shape) or kept.dtype != dtype:
+            device = self.resolve(grouped_qkv.parts(name)[0]).device
+            kept = self.landings[name] = torch.empty(shape, dtype=dtype, device=device)
+        return kept
+
+    def unscramble(self, name: str) -> None:
+        q, k, v = (self.resolve(n) for n in grouped_qkv.parts(name))
+        grouped_qkv.unscramble_into(self.landings[name], q, k, v)
+
     @torch.no_grad()
     def load(self, named: list[tuple[str, torch.Tensor]]) -> None:
         self.check(named)
         for name, tensor in named:
-            self.resolve(name).copy_(tensor)
+            for dst, src in self.copies(name, tensor):
+                dst.copy_(src)
+
+
+class _Shaped:
+    def __init__(self, shape: list[int]):
+        self.shape = shape
 
 
 # ---------------------------------------------------------------- families with more than a KV cache

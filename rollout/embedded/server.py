@@ -286,7 +286,7 @@ def create_app(engine: EmbeddedEngine, *, host: str = "", port: int = 0) -> Fast
 
     @app.post("/end_weight_update")
     async def end_weight_update(body: EndUpdateBody | None = None) -> JSONResponse:
-        engine.end_update()
+        await engine.end_update()
         if body is not None and body.continue_generation:
             if (released := memory_released(engine)) is not None:
                 return result(False, released)

@@ -17,11 +17,12 @@ import torch
 
 from tidal.model_config import ModelConfig
 from tidal.rollout.config import EmbeddedEngineConfig
-from tidal.rollout.embedded.model import NamedTensorLoader, WeightLoadError, build_model
+from tidal.rollout.embedded import arena
+from tidal.rollout.embedded.model import DTYPES, NamedTensorLoader, WeightLoadError, build_model
 from tidal.rollout.embedded.sampling import SamplingParams
 from tidal.rollout.embedded.scheduler import Request, Scheduler
 from tidal.rollout.embedded.weights import WeightReceiver, WeightUpdateError, load_all
-from tidal.weights_sync import replay
+from tidal.weights_sync import grouped_qkv, replay
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 
@@ -70,6 +71,8 @@ class EmbeddedEngine:
         self.in_weight_update = False
         self._update_lock = asyncio.Lock()
         self.recorder = replay.Recorder()  # announced updates, replayed by the next sync (replay_updates)
+        self.relayout: arena.RelayoutReport | None = None  # once the weights moved into their arena
+        self.memory = None  # set by the colocated routes while weights may be released (memory.py)
         self._replaying = threading.Lock()  # held from a replay's acceptance until its session ends
 
     def start(self) -> None:
@@ -172,9 +175,50 @@ class EmbeddedEngine:
         self.in_weight_update = True
         self.recorder.begin()
 
-    def end_update(self) -> None:
+    async def end_update(self) -> None:
         self.in_weight_update = False
         self.recorder.end()
+        if self._relayout_pending():
+            await self._call(self._relayout, drain=True)
+
+    def _relayout_pending(self) -> bool:
+        wanted = self.config.relayout_weights
+        if wanted == "off" or self.relayout is not None or self.memory is not None:
+            return False
+        return wanted == "on" or torch.device(self.config.device).type == "cpu"
+
+    def _relayout(self) -> None:
+        """Once, on the scheduler thread after an update announced in full: the weights move into one arena
+        per dtype in the order of the recorded broadcasts (arena.py), so the next updates' segments are
+        received in place, each bucket one broadcast with no copy on either side."""
+        runs: list[list[str]] = []
+        announced: dict[str, tuple[list[int], torch.dtype]] = {}
+        for group_name in self.receiver.groups:
+            for entry in self.recorder.last(group_name) or []:
+                first = 0
+                for count in entry.segments or [len(entry.names)]:
+                    runs.append(entry.names[first : first + count])
+                    first += count
+                for name, shape, dtype in zip(entry.names, entry.shapes, entry.dtypes, strict=True):
+                    announced[name] = (shape, DTYPES.get(dtype, torch.float32))
+        if not runs:
+            return
+
+        def resolve(name: str) -> torch.Tensor:
+            shape, dtype = announced[name]
+            return self.loader.target(name, shape, dtype)  # a fused QKV's landing tensor joins its run
+
+        for run in runs:  # landing tensors exist before the arena is planned, so they are moved with it
+            for name in run:
+                if grouped_qkv.parts(name) is not None:
+                    resolve(name)
+        self.relayout = arena.relayout(self.lm, runs, resolve, extra=list(self.loader.landings.values()))
+        self.scheduler.weights_moved()
+        print(
+            f"tidal serve: weights laid out for in-place updates: {self.relayout}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     async def update_weights_from_distributed(
         self,
@@ -249,7 +293,7 @@ class EmbeddedEngine:
                 self.loader.check([(n, _Announced(s)) for n, s in zip(names, shapes, strict=True)])
             except Exception:  # noqa: BLE001 - the receive reports what is wrong with the announcement
                 return None
-            return lambda name, shape, dtype: self.loader.resolve(name)
+            return self.loader.target
 
         with self.receiver.receive_bucket(
             names=names,
@@ -260,7 +304,7 @@ class EmbeddedEngine:
             checksum=checksum,
             seq=seq,
             segments=entry.segments,
-            target=in_place_target() if entry.segments is not None else None,
+            target=in_place_target(),
         ) as received:
 
             def load() -> None:
@@ -272,8 +316,13 @@ class EmbeddedEngine:
                 # nothing to hand to the scheduler thread (the version is set; only it may change
                 # that): loaded here, without two thread hops on the sync's critical path
                 load_all(self.loader, received)
-                return
-            self.scheduler.call(load, drain=True).result()  # the buffer is reused once this returns
+            else:
+                self.scheduler.call(load, drain=True).result()  # the buffer is reused once this returns
+        # fused QKVs received in place (only while paused in an update): their rows into q/k/v
+        loaded = {name for name, _ in received}
+        for name in names:
+            if name not in loaded and grouped_qkv.parts(name) is not None:
+                self.loader.unscramble(name)
 
     async def replay_weight_update(
         self, *, group_name: str, plan: str, weight_version: str, pause_mode: str | None

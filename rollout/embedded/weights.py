@@ -37,8 +37,9 @@ def load_all(loader, tensors: list[tuple[str, torch.Tensor]]) -> None:
     loader.check(tensors)
     if not tensors:
         return
+    pairs = [pair for name, t in tensors for pair in loader.copies(name, t)]
     with torch.no_grad():
-        torch._foreach_copy_([loader.resolve(name) for name, _ in tensors], [t for _, t in tensors])
+        torch._foreach_copy_([dst for dst, _ in pairs], [src for _, src in pairs])
 
 
 class WeightReceiver:

@@ -20,6 +20,7 @@ from tidal.rollout.embedded.testing import TINY_QWEN3, served_engine
 from tidal.weights_sync import bucket
 from tidal.weights_sync.config import WeightSyncConfig
 from tidal.weights_sync.engine_api import EngineEndpoint
+from tidal.weights_sync.families import mapping_for
 from tidal.weights_sync.sender import WeightSender
 
 pytestmark = pytest.mark.slow
@@ -258,3 +259,62 @@ def test_a_bad_segmented_bucket_is_refused_before_anything_is_written(engine_url
         sender.close()
     assert answers and answers[0].status_code == 400 and "bogus" in answers[0].text, answers
     assert torch.equal(_served(url, embed), kept)
+
+
+def _ddp_state(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Megatron tensors of ``hf`` as views into one buffer, the last first, each starting at a multiple of
+    64 elements: how megatron's DDP with the distributed optimizer holds the trainer's parameters."""
+    full = dict(mapping_for(ModelConfig(**MODEL)).to_megatron(hf))
+    sizes = {n: -(-t.numel() // 64) * 64 for n, t in full.items()}
+    buffer = torch.zeros(sum(sizes.values()))
+    state, end = {}, buffer.numel()
+    for name, t in full.items():
+        end -= sizes[name]
+        state[name] = buffer[end : end + t.numel()].view(t.shape)
+        state[name].copy_(t)
+    return state
+
+
+def test_after_the_first_update_the_engine_receives_every_bucket_in_place_from_the_trainers_memory(tmp_path):
+    """A trainer-shaped source (megatron tensors in one DDP buffer, q/k/v fused): the first sync is
+    announced and the engine then lays its weights out in the order of the broadcasts (arena.py); later
+    syncs are replayed, each bucket one broadcast from the trainer's memory straight into the engine's
+    weights (no copy on either side), bitwise, and the engine generates as a model with those weights."""
+    mapping = mapping_for(ModelConfig(**MODEL))
+    with served_engine(
+        MODEL,
+        f"seed={ENGINE_SEED}",
+        "rollout.engine.max_batch_size=4",
+        "rollout.engine.max_seq_len=64",
+        "rollout.engine.weight_update_timeout_s=30",
+        "rollout.engine.num_threads=1",
+        log_path=tmp_path / "serve.log",
+    ) as proc:
+        url = proc.url
+        config = WeightSyncConfig(timeout_s=30, own_broadcast_bytes=8 << 10)
+        sender = WeightSender(config, [EngineEndpoint(url)])
+        try:
+            for version, seed in [(1, 31), (2, 32), (3, 33)]:
+                hf = {n: t.contiguous() for n, t in _weights(seed=seed).items()}
+                state = _ddp_state(hf)
+                before = _stats(url)
+
+                def source(state=state):
+                    for name, t in state.items():
+                        yield from mapping.to_hf(name, t, packable=True)
+
+                report = sender.sync(source, version=version)
+                assert report.ok and report.replayed == (version > 1), report
+                assert all(torch.equal(_served(url, n), t) for n, t in hf.items()), version
+                if version > 1:  # the weights were laid out after the first sync: every byte in place
+                    moved = _stats(url)["in_place_bytes"] - before["in_place_bytes"]
+                    assert moved == report.bytes, (moved, report.bytes)
+                    assert report.buckets < 4  # one broadcast per bucket, not one per tensor
+        finally:
+            sender.close()
+        assert "weights laid out for in-place updates" in (tmp_path / "serve.log").read_text()
+        reference = build_model(ModelConfig(**MODEL), seed=33, device="cpu", dtype="float32", fuse=False)
+        expected = reference.generate(
+            torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(PROMPT) :].tolist()
+        assert _greedy(url) == expected

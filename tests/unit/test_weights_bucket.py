@@ -134,12 +134,28 @@ def test_segments_plan_sends_back_to_back_tensors_from_their_memory_and_packs_th
     items = [("norm", torch.randn(4)), ("gate", gate), ("up", up), ("q", q), ("k", k), ("v", v)]
     items += [("strided", strided), ("alone", torch.randn(4096)), ("down", torch.randn(64))]
     runs = segments.plan(items, own_bytes=16 << 10)
-    assert [(own is not None, [n for n, _ in run]) for own, run in runs] == [
-        (False, ["norm", "strided", "down"]),  # the small and the strided tensors first, packed together
-        (True, ["gate", "up"]),  # one broadcast from fc1's own memory
-        (False, ["q", "k", "v"]),  # packed, as a segment of their own
+    # the small and the strided tensors first, packed together; then the rest in memory order (separate
+    # allocations here, so in any order): gate/up as one broadcast from fc1's own memory, q/k/v packed as
+    # a segment of their own, and the large tensor from its own memory
+    (own, loose), *rest = runs
+    assert own is None and sorted(n for n, _ in loose) == ["down", "norm", "strided"]
+    assert sorted((own is not None, [n for n, _ in run]) for own, run in rest) == [
+        (False, ["q", "k", "v"]),
         (True, ["alone"]),
+        (True, ["gate", "up"]),
     ]
-    span = runs[1][0]
+    span = next(own for own, run in rest if run[0][0] == "gate")
     assert span.data_ptr() == fused_fc1.data_ptr() and span.numel() == fused_fc1.nbytes
     assert segments.plan(items, own_bytes=None) == [(None, items)]
+
+
+def test_segments_plan_finds_runs_in_a_buffer_laid_out_last_first():
+    """Megatron's DDP keeps the parameters in one buffer, the last first: the tensors a bucket lists in the
+    source's order lie back to back in the reverse order, and still go out as one broadcast."""
+    from tidal.weights_sync import segments
+
+    buffer = torch.randn(3 * 4096)
+    a, b, c = buffer[8192:], buffer[4096:8192], buffer[:4096]  # the source's order: a, b, c
+    runs = segments.plan([("a", a), ("b", b), ("c", c)], own_bytes=16 << 10)
+    assert [(own is not None, [n for n, _ in run]) for own, run in runs] == [(True, ["c", "b", "a"])]
+    assert runs[0][0].data_ptr() == buffer.data_ptr() and runs[0][0].numel() == buffer.nbytes
