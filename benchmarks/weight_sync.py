@@ -196,6 +196,7 @@ def _summary(
         hidden=model.hidden_size,
         tp=args.tp,
         trainer_layout=args.trainer_layout,
+        engine_set=args.engine_set,
         sync=med,
         sync_gbps=nbytes / med["wall_s"] / 1e9,
         raw_s=raw_s,
@@ -288,6 +289,13 @@ def main() -> int:
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    p.add_argument(
+        "--engine-set",
+        nargs="+",
+        metavar="KEY=VALUE",
+        default=[],
+        help="rollout.engine settings of the --engine serve engines, e.g. relayout_weights=on",
+    )
     p.add_argument(
         "--trainer-layout",
         default="ddp",

@@ -95,6 +95,7 @@ def start_receivers(
                 f"rollout.engine.device={'cuda' if first_gpu is not None else 'cpu'}",
                 f"rollout.engine.num_threads={args.threads}",
                 "rollout.engine.weight_update_timeout_s=600",
+                *[f"rollout.engine.{kv}" for kv in getattr(args, "engine_set", None) or []],
                 "--port",
                 str(port),
             )
