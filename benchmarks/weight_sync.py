@@ -294,7 +294,7 @@ def main() -> int:
         nargs="+",
         metavar="KEY=VALUE",
         default=[],
-        help="rollout.engine settings of the --engine serve engines, e.g. relayout_weights=on",
+        help="rollout.engine settings of the --engine serve engines, e.g. relayout_weights=true",
     )
     p.add_argument(
         "--trainer-layout",

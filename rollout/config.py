@@ -39,12 +39,12 @@ class EmbeddedEngineConfig(BaseModel):
     fuse_projections: bool = Field(
         True, description="run Q/K/V and gate/up as one matmul each (weights stay shared with the model's)"
     )
-    relayout_weights: Literal["auto", "on", "off"] = Field(
+    relayout_weights: bool | Literal["auto"] = Field(
         "auto",
         description="after the first weight update announced in full, move the weights into one arena per dtype "
         "in the order the sender's broadcasts carry them, so later updates are received in place, one "
-        "broadcast per bucket (arena.py; costs one more copy of the weights' memory, once); auto: on for CPU "
-        "engines, off on CUDA (not yet measured there)",
+        "broadcast per bucket (arena.py; costs one more copy of the weights' memory, once); auto: true for CPU "
+        "engines, false on CUDA (not yet measured there)",
     )
     decode: Literal["auto", "lean", "cuda_graphs", "transformers"] = Field(
         "auto",

@@ -183,9 +183,9 @@ class EmbeddedEngine:
 
     def _relayout_pending(self) -> bool:
         wanted = self.config.relayout_weights
-        if wanted == "off" or self.relayout is not None or self.memory is not None:
+        if wanted is False or self.relayout is not None or self.memory is not None:
             return False
-        return wanted == "on" or torch.device(self.config.device).type == "cpu"
+        return wanted is True or torch.device(self.config.device).type == "cpu"
 
     def _relayout(self) -> None:
         """Once, on the scheduler thread after an update announced in full: the weights move into one arena

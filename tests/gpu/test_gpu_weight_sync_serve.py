@@ -1,7 +1,7 @@
 """A trainer-shaped sender on GPU 0 syncs `tidal serve` on GPU 1 over NCCL: the first update announced,
 the next ones replayed (weights_sync/replay.py) with megatron's fused QKV sent whole (grouped_qkv), every
 engine tensor bitwise equal to the trainer's, and generation afterwards equal to an engine that kept its
-own layout (``relayout_weights=off``) when the weights moved into one arena (``on``: CUDA graphs recaptured).
+own layout (``relayout_weights=false``) when the weights moved into one arena (``true``: CUDA graphs recaptured).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def _sync_three_times(relayout: str, tmp_path) -> tuple[list[int], str]:
 
 def test_replayed_nccl_syncs_land_bitwise_and_a_relaid_engine_generates_the_same(tmp_path):
     _need_two_gpus()
-    kept, _ = _sync_three_times("off", tmp_path)
-    relaid, log = _sync_three_times("on", tmp_path)
+    kept, _ = _sync_three_times("false", tmp_path)
+    relaid, log = _sync_three_times("true", tmp_path)
     assert "weights laid out for in-place updates" in log
     assert relaid == kept
