@@ -290,6 +290,11 @@ def main() -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     p.add_argument(
+        "--no-replay",
+        action="store_true",
+        help="announce every sync (WeightSyncConfig.replay_updates=false), as before session 9",
+    )
+    p.add_argument(
         "--engine-set",
         nargs="+",
         metavar="KEY=VALUE",
@@ -336,6 +341,7 @@ def main() -> int:
         bucket_bytes=args.bucket_mb << 20 if args.bucket_mb else None,
         first_bucket_bytes=args.first_bucket_mb << 20 if args.first_bucket_mb else None,
         timeout_s=600,
+        replay_updates=not args.no_replay,
         **({"inflight_buckets": args.inflight} if args.inflight else {}),
     )
 

@@ -61,6 +61,11 @@ class WeightSyncConfig(BaseModel):
         description="/pause_generation mode around a sync (SGLang's); None: do not pause",
     )
     retries: int = Field(1, ge=0, description="attempts after one that lost an engine (rebuilt without it)")
+    replay_updates: bool = Field(
+        True,
+        description="repeat a sync of the same buckets without announcing them, to engines that declare "
+        "replay_updates (weights_sync/replay.py); false: announce every bucket of every sync",
+    )
     transport: Literal["auto", "collective", "cuda_ipc"] = Field(
         "auto",
         description="how buckets reach the engines: 'collective' (a weight-update group: gloo on CPU, NCCL "

@@ -20,7 +20,8 @@ class ReplayedSyncs:
         group declared ``replay_updates``, and the last sync to this group was announced in full."""
         group = self._group
         return (
-            self.is_sender
+            self.config.replay_updates
+            and self.is_sender
             and self.coordinator
             and self.stages == 1
             and group is not None
