@@ -137,10 +137,11 @@ class WeightSender(ReplayedSyncs):
             for u in self._group_engines
             if u in self._clients
         ]
+        # ours while theirs run: NCCL's communicator teardown on an engine waits for this side's
+        self._group.destroy()
         for f in futures:
             with contextlib.suppress(Exception):
                 f.result(timeout=self.config.timeout_s)
-        self._group.destroy()
         self._group, self._group_engines = None, []
         self._ordered = self._segmented = False
         self._declared = {}
