@@ -268,7 +268,8 @@ class _WeightPush:
         report = self.sync.after_step(step, step)
         seconds = time.perf_counter() - started
         if self.trainer.rank == 0 and report is not None:
-            print(f"step {step}: weights to {len(urls)} engine(s) in {seconds:.2f}s")
+            how = "replayed" if report.replayed else "announced"
+            print(f"step {step}: weights to {len(urls)} engine(s) in {seconds:.2f}s ({how})")
         return seconds if report is not None else None
 
     def catch_up(self, step: int) -> None:
