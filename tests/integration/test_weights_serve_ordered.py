@@ -28,17 +28,21 @@ pytestmark = pytest.mark.slow
 MODEL = TINY_QWEN3
 ENGINE_SEED = 7
 PROMPT = [3, 1, 4, 1, 5]
+# a fresh `tidal serve` of MODEL: small batch and cache, one thread
+ENGINE = (
+    MODEL,
+    f"seed={ENGINE_SEED}",
+    "rollout.engine.max_batch_size=4",
+    "rollout.engine.max_seq_len=64",
+    "rollout.engine.weight_update_timeout_s=30",
+    "rollout.engine.num_threads=1",
+)
 
 
 @pytest.fixture(scope="module")
 def engine_url(tmp_path_factory):
     with served_engine(
-        MODEL,
-        f"seed={ENGINE_SEED}",
-        "rollout.engine.max_batch_size=4",
-        "rollout.engine.max_seq_len=64",
-        "rollout.engine.weight_update_timeout_s=30",
-        "rollout.engine.num_threads=1",
+        *ENGINE,
         log_path=tmp_path_factory.mktemp("serve") / "serve.log",
     ) as proc:
         yield proc.url
@@ -282,12 +286,7 @@ def test_after_the_first_update_the_engine_receives_every_bucket_in_place_from_t
     weights (no copy on either side), bitwise, and the engine generates as a model with those weights."""
     mapping = mapping_for(ModelConfig(**MODEL))
     with served_engine(
-        MODEL,
-        f"seed={ENGINE_SEED}",
-        "rollout.engine.max_batch_size=4",
-        "rollout.engine.max_seq_len=64",
-        "rollout.engine.weight_update_timeout_s=30",
-        "rollout.engine.num_threads=1",
+        *ENGINE,
         log_path=tmp_path / "serve.log",
     ) as proc:
         url = proc.url
