@@ -166,16 +166,19 @@ class ReplaySession:
             if n != len(self.entries):
                 raise ValueError(f"the sender replays {n} buckets; the recorded plan has {len(self.entries)}")
             self.set_next_seq(first)
-            # two at a time, as two pipelined announcements: bucket k+1 is received while k is loaded
-            with ThreadPoolExecutor(max_workers=2, thread_name_prefix="weights-replay") as pool:
-                futures = [
-                    pool.submit(self.receive_and_load, entry, first + i)
-                    for i, entry in enumerate(self.entries)
-                ]
-                for future in futures:
-                    exc = future.exception()
-                    if exc is not None and self.error is None:
-                        self.error = exc
+            if len(self.entries) == 1:  # nothing to overlap: no pool
+                self.receive_and_load(self.entries[0], first)
+            else:
+                # two at a time, as two pipelined announcements: bucket k+1 is received while k is loaded
+                with ThreadPoolExecutor(max_workers=2, thread_name_prefix="weights-replay") as pool:
+                    futures = [
+                        pool.submit(self.receive_and_load, entry, first + i)
+                        for i, entry in enumerate(self.entries)
+                    ]
+                    for future in futures:
+                        exc = future.exception()
+                        if exc is not None and self.error is None:
+                            self.error = exc
             failed = self.error is not None
             if not failed:
                 self.finish()

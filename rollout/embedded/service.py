@@ -213,7 +213,8 @@ class EmbeddedEngine:
                 if grouped_qkv.parts(name) is not None:
                     resolve(name)
         self.relayout = arena.relayout(self.lm, runs, resolve, extra=list(self.loader.landings.values()))
-        self.scheduler.weights_moved()
+        if self.relayout.laid:
+            self.scheduler.weights_moved()
         print(
             f"tidal serve: weights laid out for in-place updates: {self.relayout}",
             file=sys.stderr,
@@ -351,10 +352,14 @@ class EmbeddedEngine:
         def finish() -> None:
             # every bucket is loaded: the new version, and generation goes on before the status all-reduce
             # returns to the sender (whatever another engine reports, these weights are complete)
-            self.scheduler.call(lambda: self.scheduler.set_version(weight_version)).result()
             self.in_weight_update = False
-            if pause_mode is not None:
-                self.scheduler.call(self.scheduler.resume).result()
+
+            def version_and_resume() -> None:  # one hop to the scheduler thread, which owns both
+                self.scheduler.set_version(weight_version)
+                if pause_mode is not None:
+                    self.scheduler.resume()
+
+            self.scheduler.call(version_and_resume).result()
 
         session = replay.ReplaySession(
             self.receiver.shared.group(group_name),
