@@ -11,6 +11,7 @@ parameter, so it joins its neighbours in one broadcast from the trainer's memory
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Iterator
 
@@ -22,6 +23,7 @@ _FUSED = re.compile(r"^(?P<prefix>.*)\.qkv_proj\.weight$")
 _Q = re.compile(r"^(?P<prefix>.*)\.q_proj\.weight$")
 
 
+@functools.cache  # asked per tensor per sync on the engine (checks, targets, loads): a dict lookup, not a regex
 def parts(name: str) -> tuple[str, str, str] | None:
     """The q, k and v names that fused ``name`` holds, or None when ``name`` is not a fused QKV name."""
     m = _FUSED.match(name)

@@ -518,12 +518,16 @@ def _in_place(
     device; contiguous) and they lie back to back in one storage in the segment's order (as q/k/v or
     gate/up do in a fused matrix); else None."""
     targets = []
+    end = (
+        None  # where the previous target ends: stop at the first that does not follow it (no wasted lookups)
+    )
     for name, shape, dtype in zip(names, shapes, dtypes, strict=True):
         t = target(name, list(shape), dtype)
         if t is None or t.dtype != dtype or list(t.shape) != list(shape) or t.device != device:
             return None
-        if not t.is_contiguous():
+        if not t.is_contiguous() or (end is not None and t.data_ptr() != end):
             return None
+        end = t.data_ptr() + t.numel() * t.element_size()
         targets.append(t)
     return byte_span(targets)
 
