@@ -287,8 +287,11 @@ class EmbeddedEngine:
 
         def in_place_target():
             # only while nothing reads the weights, and only if the whole bucket is known: a bad one is
-            # received into the buffer and refused before anything is written
+            # received into the buffer and refused before anything is written; a bucket of one broadcast
+            # can land in place only once the weights were laid out in its order (relayout)
             if checksum is not None or not self._paused_in_update():
+                return None
+            if entry.segments is None and not (self.relayout is not None and self.relayout.laid):
                 return None
             try:  # shapes only (no meta tensors: this runs per tensor before the receives are posted)
                 self.loader.check([(n, _Announced(s)) for n, s in zip(names, shapes, strict=True)])
@@ -339,7 +342,10 @@ class EmbeddedEngine:
             )
         if pause_mode is not None and pause_mode not in PAUSE_MODES:
             raise BadRequest(f"pause_mode={pause_mode!r}: choose one of {list(PAUSE_MODES)}")
-        if not await asyncio.to_thread(self._replaying.acquire, timeout=self.config.weight_update_timeout_s):
+        # normally free at once (the previous replay ended before its sender returned): no thread hop then
+        if not self._replaying.acquire(blocking=False) and not await asyncio.to_thread(
+            self._replaying.acquire, timeout=self.config.weight_update_timeout_s
+        ):
             raise WeightUpdateError("the previous replayed update is still running")
         try:
             if pause_mode is not None:
