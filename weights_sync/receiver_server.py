@@ -3,8 +3,11 @@
     python -m tidal.weights_sync.receiver_server --host 127.0.0.1 --port 30000
 
 It receives buckets with ``WeightReceiver`` exactly as an engine does and keeps the tensors in a
-dict; ``POST /tidal/save_weights {"path": DIR}`` writes them as a Hugging Face directory. The real
-engines are ``tidal serve`` and SGLang; this serves the sender's tests and the benchmark without a model.
+dict; ``POST /tidal/save_weights {"path": DIR}`` writes them as a Hugging Face directory (fused QKVs
+taken apart into q/k/v). Like ``tidal serve`` it declares tidal's extensions, replays a recorded update
+(``POST /tidal/replay_weight_update``, replay.py) and, after an update announced in full, keeps each
+broadcast's tensors back to back so later ones are received in place. The real engines are ``tidal
+serve`` and SGLang; this serves the sender's tests and the benchmark without a model.
 
 ``receiver_routes`` are the benchmark's routes, served by this stand-in and by ``tidal serve``:
 ``GET /tidal/stats`` (bytes and seconds spent receiving and loading, the process's CPU seconds),
