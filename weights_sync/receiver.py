@@ -294,29 +294,32 @@ class WeightReceiver:
         state = self._state(group_name)
         with self._turn(state, group_name, seq) as seq:
             # our turn: the other handlers wait for next_seq, which moves once our receives are posted
-            slot = state.slots[seq % 2]
+            dsts: list[torch.Tensor | None] = [None] * len(runs)
+            if target is not None and checksum is None:
+                device = torch.empty(0, device=self.device).device
+                for r, (first, end) in enumerate(runs):
+                    dsts[r] = _in_place(
+                        target, spec.names[first:end], spec.shapes[first:end], dtypes_[first:end], device
+                    )
+            buffered = [r for r, dst in enumerate(dsts) if dst is None]
+            # a bucket received wholly in place needs no buffer: its receives are posted at once, also
+            # while the bucket two before is still being loaded
+            slot = state.slots[seq % 2] if buffered else None
             # bucket seq-2 used this buffer: its handler must have loaded it (normally long done)
-            if not slot.lock.acquire(timeout=self.timeout_s):
+            if slot is not None and not slot.lock.acquire(timeout=self.timeout_s):
                 raise BucketOrderError(f"group {group_name}: bucket {seq - 2} was never loaded")
             try:
-                dsts: list[torch.Tensor | None] = [None] * len(runs)
-                if target is not None and checksum is None:
-                    device = torch.empty(0, device=self.device).device
-                    for r, (first, end) in enumerate(runs):
-                        dsts[r] = _in_place(
-                            target, spec.names[first:end], spec.shapes[first:end], dtypes_[first:end], device
-                        )
                 in_place = sum(
                     offsets[end] - offsets[first]
                     for (first, end), dst in zip(runs, dsts, strict=True)
                     if dst is not None
                 )
-                buffered = [r for r, dst in enumerate(dsts) if dst is None]
-                buf, views = self._buffered(slot, layout, dsts)
+                buf, views = self._buffered(slot, layout, dsts) if slot is not None else (None, [])
                 # the next bucket's turn starts once these receives are posted, not once they are done
                 receives = _Receives(state, dsts)
             except BaseException:
-                slot.lock.release()
+                if slot is not None:
+                    slot.lock.release()
                 raise
         loaded = 0.0  # seconds in the caller's block (its load)
         try:
@@ -325,7 +328,7 @@ class WeightReceiver:
             # engine replies) only once every byte has arrived
             receives.wait(buffered)
             t1 = time.perf_counter()
-            if checksum is not None and bucket.checksum(buf) != checksum:
+            if checksum is not None and buf is not None and bucket.checksum(buf) != checksum:
                 raise ChecksumMismatch(
                     f"bucket of {len(names)} tensors ({names[0]} ...) in group {group_name}: checksum "
                     f"{bucket.checksum(buf)} != announced {checksum}"
@@ -335,9 +338,10 @@ class WeightReceiver:
             receives.wait()
         finally:
             receives.settle()  # after a failure: nothing may still write into the buffer once it is free
-            if receives.arrived is not None:  # the caller's load read this buffer on its stream: finish it
+            if receives.arrived is not None and buf is not None:  # the load read this buffer: finish it
                 torch.cuda.current_stream(buf.device).synchronize()
-            slot.lock.release()
+            if slot is not None:
+                slot.lock.release()
             spent = time.perf_counter() - t0
             self._count(nbytes, spent - loaded, loaded, in_place)
 

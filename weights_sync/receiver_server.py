@@ -117,6 +117,7 @@ def build_app(timeout_s: float = 60.0) -> FastAPI:
     lock = threading.Lock()
     recorder = replay.Recorder()  # the last announced update per group, for replay_updates
     replaying = threading.Lock()  # one replayed update at a time
+    replay_pool = replay.workers()
     app.include_router(
         receiver_routes(
             receiver,
@@ -247,6 +248,7 @@ def build_app(timeout_s: float = 60.0) -> FastAPI:
             lambda entry, seq: receive_and_load(entry, group_name, seq),
             finish,
             lambda seq: receiver.continue_at(group_name, seq),
+            replay_pool,
         )
 
         def run() -> None:
@@ -261,7 +263,7 @@ def build_app(timeout_s: float = 60.0) -> FastAPI:
             finally:
                 replaying.release()
 
-        threading.Thread(target=run, name="weights-replay", daemon=True).start()
+        replay_pool.submit(run)
         return ok("replaying")
 
     @app.post("/tidal/save_weights")

@@ -74,13 +74,15 @@ class EmbeddedEngine:
         self.relayout: arena.RelayoutReport | None = None  # once the weights moved into their arena
         self.memory = None  # set by the colocated routes while weights may be released (memory.py)
         self._replaying = threading.Lock()  # held from a replay's acceptance until its session ends
+        self._replay_pool = replay.workers()
 
     def start(self) -> None:
         self.scheduler.start()
 
     def close(self) -> None:
         self.scheduler.stop()
-        self.receiver.close()
+        self.receiver.close()  # fails a replay's receives still waiting, so its threads end
+        self._replay_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def weight_version(self) -> str:
@@ -373,6 +375,7 @@ class EmbeddedEngine:
             lambda entry, seq: self._receive_and_load(entry, group_name, "flattened_bucket", None, None, seq),
             finish,
             lambda seq: self.receiver.shared.continue_at(group_name, seq),
+            self._replay_pool,
         )
 
         def run() -> None:
@@ -388,7 +391,7 @@ class EmbeddedEngine:
             finally:
                 self._replaying.release()
 
-        threading.Thread(target=run, name="weights-replay", daemon=True).start()
+        self._replay_pool.submit(run)
 
     def get_weights_by_name(self, name: str, truncate_size: int) -> list:
         try:

@@ -182,6 +182,44 @@ def test_tensors_to_load_are_yielded_while_later_segments_still_arrive_in_place(
     assert receiver.stats.in_place_bytes == (1000 + 300) * 4
 
 
+def test_buckets_received_wholly_in_place_take_no_buffer_so_none_waits_for_a_load(pair):
+    """Bucket 2 would share bucket 0's buffer; landing wholly in the engine's weights, it needs none, so it
+    is received while bucket 0's handler is still inside its block (loading)."""
+    sender, receiver = pair
+    sent = [torch.randn(50 + 10 * k) for k in range(3)]
+    weights = {f"w{k}": torch.zeros_like(t) for k, t in enumerate(sent)}  # the engine's, taken in place
+    hold, held = threading.Event(), threading.Event()
+
+    def handler(k: int) -> None:
+        spec = _bucket_of((f"w{k}", sent[k]))
+        with receiver.receive(
+            names=spec.names,
+            dtypes=spec.dtypes,
+            shapes=spec.shapes,
+            group_name="g",
+            seq=k,
+            segments=[1],
+            target=lambda name, shape, dtype: weights.get(name),
+        ) as tensors:
+            assert tensors == []  # nothing to load: every byte lands in place
+            if k == 0:
+                held.set()
+                assert hold.wait(timeout=30)
+
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(handler, k) for k in range(3)]
+        assert held.wait(timeout=30)
+        for t in sent:
+            sender.broadcast(t.clone(), src=0)
+        futures[1].result(timeout=30)
+        futures[2].result(timeout=30)  # bucket 0 is still held
+        assert not futures[0].done()
+        hold.set()
+        futures[0].result(timeout=30)
+    assert all(torch.equal(weights[f"w{k}"], t) for k, t in enumerate(sent))
+    assert receiver.stats.in_place_bytes == sum(t.numel() * 4 for t in sent)
+
+
 def test_only_the_segments_not_received_in_place_take_room_each_keeping_its_alignment(pair):
     sender, receiver = pair
     # 2 + 2002 + 8 bytes: without the in-place middle, the float32 pair would sit at byte 2 (unaligned)
