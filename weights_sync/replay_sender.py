@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future
 
 import torch
 
 from tidal.weights_sync import replay
 from tidal.weights_sync.sync_plan import BucketRecipe
-from tidal.weights_sync.sync_report import SyncFailed, SyncReport, settle
+from tidal.weights_sync.sync_report import ReplayRefused, SyncFailed, SyncReport, settle
 
 
 class ReplayedSyncs:
@@ -58,12 +59,12 @@ class ReplayedSyncs:
         )
         return (first_bytes, bucket_bytes, own_bytes, max_bytes, grouped)
 
-    def _start_replay(self, version: int, report: SyncReport) -> bool:
-        """Ask every engine to replay the recorded plan; False when one refused (nothing sent yet)."""
+    def _ask_replay(self, version: int) -> dict[str, Future]:
+        """Ask every engine to replay the recorded plan; the answers are awaited by ``_replay_stream``'s
+        gate, once the first bucket is packed."""
         assert self._group is not None and self._replayable is not None
         group, digest = self._group, self._replayable[1]
-        t0 = time.perf_counter()
-        futures = {
+        return {
             u: self._pool.submit(
                 self._clients[u].replay,
                 group_name=group.name,
@@ -73,33 +74,49 @@ class ReplayedSyncs:
             )
             for u in self._group_engines
         }
-        refused = settle(futures, self.config.timeout_s)
-        report.open_s += time.perf_counter() - t0
-        report.replayed = not refused
-        return not refused
 
     def _replay_stream(
-        self, tensors: Iterable[tuple[str, torch.Tensor]], version: int, report: SyncReport
+        self,
+        tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        report: SyncReport,
+        asked: dict[str, Future],
     ) -> SyncFailed | None:
-        """The accepted replay: header, the recorded buckets' broadcasts, the engines' status."""
+        """The replay: once every engine accepted, the header, then the recorded buckets' broadcasts and
+        the engines' status. A refusal (``ReplayRefused``) stops it before anything is broadcast."""
         assert self._group is not None
         group = self._group
         buckets = len(self._plan.recorded(self._bucketing()) or [])
         first = next(self._seq)
         for _ in range(buckets - 1):
             next(self._seq)
+
+        def gate() -> SyncFailed | None:
+            t0 = time.perf_counter()
+            refused = settle(asked, self.config.timeout_s)
+            report.open_s += time.perf_counter() - t0
+            if refused:
+                return ReplayRefused(
+                    f"{refused} have no record of this update: the next attempt announces it"
+                )
+            try:
+                replay.header(group, first, buckets)
+            except Exception as exc:  # noqa: BLE001 - the group broke: a peer is gone
+                return SyncFailed(f"replayed update failed: {exc}")
+            report.replayed = True
+            return None
+
         failure: SyncFailed | None = None
         try:
-            replay.header(group, first, buckets)
-            failure = self._stream(tensors, version, report, replaying=True)
+            failure = self._stream(tensors, version, report, replaying=True, gate=gate)
             if failure is not None:
-                # the engines may wait for buckets that will not come: breaking the group fails their
-                # receives, so they end the replay (the next attempt announces the sync over a new group)
+                # the engines may wait for a header or buckets that will not come: breaking the group fails
+                # their receives, so they end the replay (the next attempt announces the sync over a new group)
                 self._destroy_group()
                 return failure
             t0 = time.perf_counter()
             if replay.status(group, failure is not None):
-                failure = failure or SyncFailed("an engine failed to load a replayed update")
+                failure = SyncFailed("an engine failed to load a replayed update")
             report.close_s += time.perf_counter() - t0
         except Exception as exc:  # noqa: BLE001 - the group broke: a peer is gone
             failure = failure or SyncFailed(f"replayed update failed: {exc}")

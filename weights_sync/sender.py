@@ -33,7 +33,7 @@ from tidal.weights_sync.config import WeightSyncConfig
 from tidal.weights_sync.engine_api import Announcement, EngineEndpoint, EngineWeightsClient
 from tidal.weights_sync.replay_sender import ReplayedSyncs
 from tidal.weights_sync.sync_plan import PlanDiverged, SyncPlan
-from tidal.weights_sync.sync_report import SyncFailed, SyncReport, drain, settle
+from tidal.weights_sync.sync_report import ReplayRefused, SyncFailed, SyncReport, drain, settle
 
 TensorSource = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 
@@ -207,11 +207,14 @@ class WeightSender(ReplayedSyncs):
         report = SyncReport(version=version)
         t0 = time.perf_counter()
         retries = self.config.retries if retries is None else retries
-        for attempt in range(1 + retries):
-            report.attempts = attempt + 1
-            failed = False
+        failures, refusal_retried = 0, False
+        while failures <= retries:
+            report.attempts += 1
+            failed = refused = False
             try:
                 self._attempt(source(), version, report)
+            except ReplayRefused:
+                failed = refused = True
             except SyncFailed:
                 failed = True
             if not self._any_failed(failed):
@@ -220,6 +223,12 @@ class WeightSender(ReplayedSyncs):
             report.ok = False
             if self.is_sender:
                 self._destroy_group()  # rebuilt without the dropped engines on the next attempt
+            # an engine without the recorded update (restarted, say) refused to replay it: the next
+            # attempt announces it and is not counted against the retries (once per sync)
+            if not refusal_retried and self._any_failed(refused):
+                refusal_retried = True
+                continue
+            failures += 1
         report.wall_s = time.perf_counter() - t0
         report.engines = self.engines
         return report
@@ -232,23 +241,17 @@ class WeightSender(ReplayedSyncs):
                 self._connect(report)
             except SyncFailed as exc:
                 failure = exc
-        replaying = False
-        if failure is None and self._replay_ready():
-            replaying = self._start_replay(version, report)
-            if not replaying:  # refused: announce this sync over a fresh group (an engine may have started)
-                self._destroy_group()
-                try:
-                    self._connect(report)
-                except SyncFailed as exc:
-                    failure = exc
+        # a replay is asked for now and answered while the first bucket is gathered and packed
+        replaying = failure is None and self._replay_ready()
+        asked = self._ask_replay(version) if replaying else None
         opening: update_calls.Calls | None = None
         if self.coordinator and failure is None and not replaying:
             opening = self._start_on_all("begin")
             if self.stages > 1:  # the other stages' senders announce once past the barrier: open first
                 failure, opening = self._settle_calls(opening, report), None
         self._barrier()
-        if replaying:
-            failure = self._replay_stream(tensors, version, report)
+        if asked is not None:
+            failure = self._replay_stream(tensors, version, report, asked)
         elif self.is_sender and failure is None and self._group is not None:
             failure = self._stream(tensors, version, report, opening)
         else:
@@ -287,6 +290,7 @@ class WeightSender(ReplayedSyncs):
         report: SyncReport,
         opening: update_calls.Calls | None = None,
         replaying: bool = False,
+        gate: Callable[[], SyncFailed | None] | None = None,
     ) -> SyncFailed | None:
         """Pack buckets here, broadcast them from a second thread; two staging buffers alternate.
 
@@ -299,6 +303,8 @@ class WeightSender(ReplayedSyncs):
         (``inflight_buckets``). Other engines (SGLang) get one announcement at a time.
 
         ``replaying``: the recorded buckets without announcements (the engines replay them, replay.py).
+        ``gate``: called once, on this thread, before the first bucket goes to the send thread (after it
+        was packed): a replay's acceptance and header; the stream stops on the failure it returns.
         """
         assert self._group is not None
         group = self._group
@@ -345,10 +351,14 @@ class WeightSender(ReplayedSyncs):
         it = iter(buckets)
 
         def opened() -> bool:
-            """Whether the update is open on the engines (waits for the opening calls, once)."""
-            nonlocal opening
+            """Whether the update is open on the engines (waits for the opening calls or the gate, once)."""
+            nonlocal opening, gate
             if opening is not None:
                 failure, opening = self._settle_calls(opening, report), None
+                if failure is not None:
+                    errors.append(failure)
+            if gate is not None:
+                failure, gate = gate(), None
                 if failure is not None:
                     errors.append(failure)
             return not errors

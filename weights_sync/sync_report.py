@@ -42,6 +42,10 @@ class SyncFailed(Exception):
     """An engine failed during this attempt (already dropped)."""
 
 
+class ReplayRefused(SyncFailed):
+    """An engine had no record of the update to replay (replay.py): the next attempt announces it."""
+
+
 def settle(futures: dict[str, Future], timeout_s: float) -> list[str]:
     """The engines whose call failed or did not finish within ``timeout_s`` (one deadline for all)."""
     deadline = time.monotonic() + timeout_s

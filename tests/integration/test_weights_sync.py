@@ -140,10 +140,11 @@ def test_a_repeated_sync_is_replayed_without_announcements(receivers, checkpoint
         assert all(torch.equal(got[n], t) for n, t in fewer.items())
         assert all(_stats(u)["version"] == "13" for u in urls)
 
-        # an engine without the plan refuses it before anything is sent: announced, first attempt
+        # an engine without the plan refuses it before anything is sent; the next attempt announces it and
+        # costs no retry (none allowed here)
         sender._replayable = (sender._group.name, "0" * 32)
-        fourth = sender.sync(lambda: iter(fewer.items()), version=14)
-        assert fourth.ok and fourth.attempts == 1 and not fourth.replayed
+        fourth = sender.sync(lambda: iter(fewer.items()), version=14, retries=0)
+        assert fourth.ok and fourth.attempts == 2 and not fourth.replayed and fourth.dropped == []
         assert all(_stats(u)["version"] == "14" for u in urls)
         fifth = sender.sync(lambda: iter(fewer.items()), version=15)  # recorded again: replayed
         assert fifth.ok and fifth.replayed and all(_stats(u)["version"] == "15" for u in urls)
