@@ -335,7 +335,7 @@ class EmbeddedEngine:
     ) -> None:
         """Start replaying the last announced update of ``group_name`` (tidal's replay_updates,
         weights_sync/replay.py): returns once ready to receive; a thread receives, loads, sets
-        ``weight_version`` and joins the status all-reduce. Generation stays paused after a failed replay
+        ``weight_version`` and joins the status reduce. Generation stays paused after a failed replay
         (its weights are partly new); the sender's next attempt announces the update and continues it."""
         entries = self.recorder.plan(group_name, plan)
         if entries is None or group_name not in self.receiver.groups:
@@ -358,7 +358,7 @@ class EmbeddedEngine:
             raise
 
         def finish() -> None:
-            # every bucket is loaded: the new version, and generation goes on before the status all-reduce
+            # every bucket is loaded: the new version, and generation goes on before the status reduce
             # returns to the sender (whatever another engine reports, these weights are complete)
             self.in_weight_update = False
 
