@@ -48,13 +48,6 @@ def part_shapes(shape: list[int] | torch.Size) -> tuple[list[int], list[int], li
     return [groups * (rows - 2) * head_dim, hidden], [groups * head_dim, hidden], [groups * head_dim, hidden]
 
 
-def unscramble_into(fused: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Copy a fused 4-D tensor's rows into the engine's q, k and v (HF layouts, contiguous)."""
-    fq, fk, fv = split(fused)
-    with torch.no_grad():
-        torch._foreach_copy_([q.view(fq.shape), k.view(fk.shape), v.view(fv.shape)], [fq, fk, fv])
-
-
 def fuse(items: Iterable[tuple[str, Packable]]) -> Iterator[tuple[str, Packable]]:
     """The sender's stream with each q, k, v triple of one megatron fused QKV (``GroupedRows`` views, in
     that order) replaced by the fused 4-D view of the trainer's tensor; anything else passes as it is."""

@@ -128,9 +128,20 @@ class NamedTensorLoader:
             kept = self.landings[name] = torch.empty(shape, dtype=dtype, device=device)
         return kept
 
-    def unscramble(self, name: str) -> None:
-        q, k, v = (self.resolve(n) for n in grouped_qkv.parts(name))
-        grouped_qkv.unscramble_into(self.landings[name], q, k, v)
+    @torch.no_grad()
+    def unscramble(self, names: list[str]) -> None:
+        """Copy the rows of the fused QKVs landed under ``names`` into their q/k/v: one foreach copy for
+        all of them (a bucket holds one per layer; per name, the launches and calls cost more than the
+        bytes on a GPU)."""
+        dsts, srcs = [], []
+        for name in names:
+            for part, src in zip(
+                grouped_qkv.parts(name), grouped_qkv.split(self.landings[name]), strict=True
+            ):
+                dsts.append(self.resolve(part).view(src.shape))
+                srcs.append(src)
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
 
     @torch.no_grad()
     def load(self, named: list[tuple[str, torch.Tensor]]) -> None:

@@ -283,8 +283,10 @@ class EmbeddedEngine:
         weight_version: str | None,
         checksum: int | None,
         seq: int | None,
+        known: bool = False,
     ) -> None:
-        """One bucket, on a worker thread: received (in place where it may be), then loaded."""
+        """One bucket, on a worker thread: received (in place where it may be), then loaded. ``known``: the
+        bucket of a recorded update (a replay), whose names and shapes loaded once already."""
         names, shapes = entry.names, entry.shapes
 
         def in_place_target():
@@ -295,6 +297,8 @@ class EmbeddedEngine:
                 return None
             if entry.segments is None and not (self.relayout is not None and self.relayout.laid):
                 return None
+            if known:  # the model's names and shapes do not change: no check per tensor per sync
+                return self.loader.target
             try:  # shapes only (no meta tensors: this runs per tensor before the receives are posted)
                 self.loader.check([(n, _Announced(s)) for n, s in zip(names, shapes, strict=True)])
             except Exception:  # noqa: BLE001 - the receive reports what is wrong with the announcement
@@ -326,9 +330,7 @@ class EmbeddedEngine:
                 self.scheduler.call(load, drain=True).result()  # the buffer is reused once this returns
         # fused QKVs received in place (only while paused in an update): their rows into q/k/v
         loaded = {name for name, _ in received}
-        for name in names:
-            if name not in loaded and grouped_qkv.parts(name) is not None:
-                self.loader.unscramble(name)
+        self.loader.unscramble([n for n in names if n not in loaded and grouped_qkv.parts(n) is not None])
 
     async def replay_weight_update(
         self, *, group_name: str, plan: str, weight_version: str, pause_mode: str | None
@@ -372,7 +374,9 @@ class EmbeddedEngine:
         session = replay.ReplaySession(
             self.receiver.shared.group(group_name),
             entries,
-            lambda entry, seq: self._receive_and_load(entry, group_name, "flattened_bucket", None, None, seq),
+            lambda entry, seq: self._receive_and_load(
+                entry, group_name, "flattened_bucket", None, None, seq, known=True
+            ),
             finish,
             lambda seq: self.receiver.shared.continue_at(group_name, seq),
             self._replay_pool,

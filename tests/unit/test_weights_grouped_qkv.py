@@ -43,7 +43,8 @@ def test_taking_a_fused_qkv_apart_gives_hugging_faces_q_k_v():
     want = unfuse_qkv(qkv, MODEL)
     assert grouped_qkv.part_shapes(fused.shape) == tuple(list(t.shape) for t in want)
     got = [torch.empty(t.shape) for t in want]
-    grouped_qkv.unscramble_into(fused, *got)
+    for g, src in zip(got, grouped_qkv.split(fused), strict=True):
+        g.view(src.shape).copy_(src)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     assert grouped_qkv.parts(f"{PREFIX}.qkv_proj.weight") == tuple(f"{PREFIX}.{p}_proj.weight" for p in "qkv")
     assert grouped_qkv.parts(f"{PREFIX}.q_proj.weight") is None
@@ -72,7 +73,7 @@ def test_the_engine_loads_a_fused_qkv_as_it_loads_q_k_v_by_name():
     # received in place: into a landing tensor, then its rows into q/k/v
     landed = NamedTensorLoader(build_model(MODEL, seed=1, device="cpu", dtype="float32"))
     landed.target(name, list(fused.shape), fused.dtype).copy_(fused)
-    landed.unscramble(name)
+    landed.unscramble([name])
     assert all(
         torch.equal(landed.resolve(f"{PREFIX}.{p}_proj.weight"), by_name.resolve(f"{PREFIX}.{p}_proj.weight"))
         for p in "qkv"
