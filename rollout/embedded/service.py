@@ -318,14 +318,14 @@ class EmbeddedEngine:
         ) as received:
 
             def load() -> None:
-                load_all(self.loader, received)  # checks every name and shape before it writes any
+                load_all(self.loader, received, known)  # checks every name and shape before it writes any
                 if weight_version is not None:
                     self.scheduler.set_version(weight_version)
 
             if self._paused_in_update() and weight_version in (None, self.scheduler.weight_version):
                 # nothing to hand to the scheduler thread (the version is set; only it may change
                 # that): loaded here, without two thread hops on the sync's critical path
-                load_all(self.loader, received)
+                load_all(self.loader, received, known)
             else:
                 self.scheduler.call(load, drain=True).result()  # the buffer is reused once this returns
         # fused QKVs received in place (only while paused in an update): their rows into q/k/v

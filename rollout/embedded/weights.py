@@ -30,11 +30,13 @@ class WeightUpdateError(ValueError):
     pass
 
 
-def load_all(loader, tensors: list[tuple[str, torch.Tensor]]) -> None:
+def load_all(loader, tensors: list[tuple[str, torch.Tensor]], known: bool = False) -> None:
     """Copy received ``tensors`` into the model through ``loader`` (a ``NamedTensorLoader``): every name and
-    shape is checked before anything is written, then one multi-tensor copy (on CUDA a few kernels instead
-    of a launch per tensor; a bucket holds hundreds)."""
-    loader.check(tensors)
+    shape is checked before anything is written (unless ``known``: a replayed bucket, whose names and shapes
+    loaded before), then one multi-tensor copy (on CUDA a few kernels instead of a launch per tensor; a
+    bucket holds hundreds)."""
+    if not known:
+        loader.check(tensors)
     if not tensors:
         return
     pairs = [pair for name, t in tensors for pair in loader.copies(name, t)]
