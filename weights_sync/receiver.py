@@ -162,6 +162,7 @@ class WeightReceiver:
         self._groups: dict[str, _GroupState] = {}
         self._lock = threading.Lock()
         self._layouts: dict[tuple, _Layout] = {}
+        self._raw_distinct: torch.Tensor | None = None  # receive_raw's buffer for distinct memory
         self.stats = ReceiveStats()
 
     def reset_stats(self) -> None:
@@ -464,15 +465,24 @@ class WeightReceiver:
             slot.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return slot.buffer[:nbytes]
 
-    def receive_raw(self, sizes: list[int], group_name: str) -> None:
-        """Plain uint8 broadcasts of ``sizes`` bytes into one reused buffer, between two barriers and
-        synchronised on CUDA (the benchmark's transport ceiling)."""
+    def receive_raw(self, sizes: list[int], group_name: str, distinct: bool = False) -> None:
+        """Plain uint8 broadcasts of ``sizes`` bytes, between two barriers and synchronised on CUDA (the
+        benchmark's transport ceiling): into one reused buffer, or with ``distinct`` each into its own part
+        of a buffer of their sum (kept for the next call), as a sync's bytes land in the weights."""
         state = self._state(group_name)
         with state.slots[0].lock:
-            buf = self._buffer(state.slots[0], max(sizes))
+            if distinct:
+                if self._raw_distinct is None or self._raw_distinct.numel() < sum(sizes):
+                    self._raw_distinct = None  # the old one freed first
+                    self._raw_distinct = torch.ones(sum(sizes), dtype=torch.uint8, device=self.device)
+                buf = self._raw_distinct
+            else:
+                buf = self._buffer(state.slots[0], max(sizes))
             state.group.barrier()
+            offset = 0
             for n in sizes:
-                state.group.broadcast(buf[:n], src=0)
+                state.group.broadcast(buf[offset : offset + n], src=0)
+                offset += n if distinct else 0
             state.group.barrier()
 
 

@@ -45,7 +45,9 @@ def receiver_routes(receiver: WeightReceiver, extra_stats: Callable[[], dict[str
         """Receive plain broadcasts of the given byte sizes (the benchmark's transport ceiling)."""
         sizes = [int(n) for n in body["sizes"]]
         try:
-            receiver.receive_raw(sizes, body.get("group_name", "weight_update_group"))
+            receiver.receive_raw(
+                sizes, body.get("group_name", "weight_update_group"), bool(body.get("distinct", False))
+            )
         except Exception as exc:
             return _fail(f"raw receive failed: {type(exc).__name__}: {exc}")
         return {"success": True, "message": "ok"}

@@ -86,6 +86,7 @@ class WeightSender(ReplayedSyncs):
         self._seq = itertools.count()
         self._generation = itertools.count()
         self._staging: list[torch.Tensor | None] = [None, None]
+        self._raw_distinct: torch.Tensor | None = None  # raw_broadcast's source with distinct=True
         self._plan = SyncPlan()  # the buckets of the last sync, replayed by the next one
         # (group name, plan digest) of the last sync announced in full to engines that replay updates: the
         # next sync of the same buckets is replayed (replay.py) instead of announced
@@ -119,6 +120,7 @@ class WeightSender(ReplayedSyncs):
 
     def close(self) -> None:
         self._staging = [None, None]
+        self._raw_distinct = None
         self._plan = SyncPlan()  # its recipes keep views of the staging buffers
         self._destroy_group()
         for client in self._clients.values():
@@ -517,9 +519,13 @@ class WeightSender(ReplayedSyncs):
         return settle(futures, self.config.timeout_s)
 
 
-def raw_broadcast(sender: WeightSender, sizes: list[int]) -> float:
+def raw_broadcast(sender: WeightSender, sizes: list[int], distinct: bool = False) -> float:
     """Seconds to broadcast plain buffers of ``sizes`` bytes over the sender's current group: the
     transport's ceiling for the benchmark. Engines must serve ``/tidal/raw_receive`` (receiver_server).
+
+    Both sides reuse one buffer of the largest size (a cache-warm ceiling), or with ``distinct`` each
+    broadcast has its own part of a buffer of their sum on both sides, as a sync's bytes go from the
+    trainer's parameters into the engine's weights (buffers kept for the next call).
 
     The transfers sit between two group barriers, which on CUDA also wait for the kernels, so the
     time covers the bytes' arrival on every engine, as a sync's does (its replies follow the loads).
@@ -527,21 +533,31 @@ def raw_broadcast(sender: WeightSender, sizes: list[int]) -> float:
     group = sender._group
     if group is None:
         raise RuntimeError("no weight-update group: run a sync first")
-    buf = sender._staging[0]  # the sync's own staging buffer: both sides reuse memory, as a sync does
-    if buf is None or buf.numel() < max(sizes):
-        buf = sender._staging[0] = torch.ones(max(sizes), dtype=torch.uint8, device=sender.device)
+    if distinct:
+        buf = sender._raw_distinct
+        if buf is None or buf.numel() < sum(sizes):
+            sender._raw_distinct = None  # the old one freed first
+            buf = sender._raw_distinct = torch.ones(sum(sizes), dtype=torch.uint8, device=sender.device)
+    else:
+        buf = sender._staging[0]  # the sync's staging buffer, reused for every broadcast
+        if buf is None or buf.numel() < max(sizes):
+            buf = sender._staging[0] = torch.ones(max(sizes), dtype=torch.uint8, device=sender.device)
     if sender.device.type == "cuda":
         torch.cuda.synchronize(sender.device)
     t0 = time.perf_counter()
     futures = {
         u: sender._pool.submit(
-            sender._clients[u]._post, "/tidal/raw_receive", {"sizes": sizes, "group_name": group.name}
+            sender._clients[u]._post,
+            "/tidal/raw_receive",
+            {"sizes": sizes, "group_name": group.name, "distinct": distinct},
         )
         for u in sender._group_engines
     }
     group.barrier()
+    offset = 0
     for n in sizes:
-        group.broadcast(buf[:n], src=0)
+        group.broadcast(buf[offset : offset + n], src=0)
+        offset += n if distinct else 0
     group.barrier()
     failed = settle(futures, sender.config.timeout_s)
     if failed:

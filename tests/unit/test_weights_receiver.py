@@ -327,3 +327,21 @@ def test_a_repeated_announcement_reuses_its_views_and_a_grown_buffer_gets_new_on
     )
     with pytest.raises(ValueError, match="segments"), bad:  # a known announcement with bad segments
         pass
+
+
+def test_raw_receives_land_in_one_reused_buffer_or_each_in_its_own_memory(pair):
+    """The benchmark's ceiling (``receive_raw``): into one buffer of the largest size, or with ``distinct``
+    each broadcast into its own part of a buffer of their sum, as a sync's bytes land in the weights."""
+    sender, receiver = pair
+    sizes = [300, 1000, 200]
+    parts = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in sizes]
+    for distinct in (False, True):
+        with ThreadPoolExecutor(1) as pool:
+            done = pool.submit(receiver.receive_raw, sizes, "g", distinct)
+            sender.barrier()
+            for part in parts:
+                sender.broadcast(part.clone(), src=0)
+            sender.barrier()
+            done.result(timeout=30)
+    assert torch.equal(receiver._raw_distinct, torch.cat(parts))  # every part kept where it landed
+    assert receiver._raw_distinct.numel() == sum(sizes)
