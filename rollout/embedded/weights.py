@@ -40,8 +40,14 @@ def load_all(loader, tensors: list[tuple[str, torch.Tensor]], known: bool = Fals
     if not tensors:
         return
     pairs = [pair for name, t in tensors for pair in loader.copies(name, t)]
+    # CUDA's multi-tensor kernels take a list only if every source has its destination's strides: one
+    # strided pair (a fused QKV's q, k or v) would send the whole list to a copy per tensor
+    alike = [(d, s) for d, s in pairs if d.stride() == s.stride()]
+    unlike = [(d, s) for d, s in pairs if d.stride() != s.stride()]
     with torch.no_grad():
-        torch._foreach_copy_([dst for dst, _ in pairs], [src for _, src in pairs])
+        for group in (alike, unlike):
+            if group:
+                torch._foreach_copy_([dst for dst, _ in group], [src for _, src in group])
 
 
 class WeightReceiver:
