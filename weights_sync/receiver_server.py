@@ -123,7 +123,12 @@ def build_app(timeout_s: float = 60.0) -> FastAPI:
     app.include_router(
         receiver_routes(
             receiver,
-            lambda: {"version": state["version"], "tensors": len(weights), "replays": state["replays"]},
+            lambda: {
+                "version": state["version"],
+                "tensors": len(weights),
+                "replays": state["replays"],
+                "recorded_plans": len(recorder),
+            },
         )
     )
 
@@ -163,6 +168,7 @@ def build_app(timeout_s: float = 60.0) -> FastAPI:
     @app.post("/destroy_weights_update_group")
     def destroy_group(body: dict[str, Any]):
         name = body.get("group_name", "weight_update_group")
+        recorder.forget(name)
         return ok() if receiver.destroy_group(name) else _fail(f"no group {name!r}")
 
     @app.post("/begin_weight_update")

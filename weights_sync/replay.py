@@ -118,8 +118,14 @@ class Recorder:
         return None if kept is None else kept[1]
 
     def forget(self, group_name: str) -> None:
+        """The group is gone (destroyed): its plan can never be replayed."""
         with self._lock:
             self._plans.pop(group_name, None)
+
+    def __len__(self) -> int:
+        """Plans kept (one per live group that completed an announced update)."""
+        with self._lock:
+            return len(self._plans)
 
 
 def header(group: transport.WeightGroup, first_seq: int = 0, buckets: int = 0) -> tuple[int, int]:

@@ -170,6 +170,7 @@ class EmbeddedEngine:
         await asyncio.to_thread(self.receiver.init_group, **kwargs)
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
+        self.recorder.forget(group_name)  # its plan can never be replayed
         await asyncio.to_thread(self.receiver.destroy, group_name)
 
     def begin_update(self) -> None:
