@@ -101,9 +101,13 @@ class WeightSender(ReplayedSyncs):
     def set_engines(self, engines: list[EngineEndpoint]) -> None:
         """The engines to sync from now on (a joining node gets a full sync at the next ``sync``)."""
         wanted = {e.url: e for e in engines}
-        for url in list(self._clients):
-            if url not in wanted:
-                self._clients.pop(url).close()
+        removed = [url for url in self._clients if url not in wanted]
+        if any(url in self._group_engines for url in removed):
+            # while their clients remain: the engines that leave drop the group too (and the plan recorded
+            # for it), instead of keeping them for good; the next sync builds a new group anyway
+            self._destroy_group()
+        for url in removed:
+            self._clients.pop(url).close()
         for url, e in wanted.items():
             if url not in self._clients:
                 self._clients[url] = EngineWeightsClient(e, self.config.timeout_s)

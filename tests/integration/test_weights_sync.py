@@ -149,9 +149,10 @@ def test_a_repeated_sync_is_replayed_without_announcements(receivers, checkpoint
         fifth = sender.sync(lambda: iter(fewer.items()), version=15)  # recorded again: replayed
         assert fifth.ok and fifth.replayed and all(_stats(u)["version"] == "15" for u in urls)
 
-        # another membership rebuilds the group: the destroyed groups' plans went with them (the engine that
-        # stays keeps only the new group's)
+        # another membership rebuilds the group: the destroyed groups' plans go with them, also on the engine
+        # that leaves (which drops the group at once), and the one that stays keeps only the new group's
         sender.set_engines([EngineEndpoint(urls[0])])
+        assert _stats(urls[1])["recorded_plans"] == 0 and _stats(urls[1])["groups"] == []
         sixth = sender.sync(lambda: iter(fewer.items()), version=16)
         assert sixth.ok and not sixth.replayed
         assert _stats(urls[0])["recorded_plans"] == 1
