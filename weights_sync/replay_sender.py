@@ -115,7 +115,7 @@ class ReplayedSyncs:
                 self._destroy_group()
                 return failure
             t0 = time.perf_counter()
-            if replay.status(group, failure is not None):
+            if replay.status(group, False):
                 failure = SyncFailed("an engine failed to load a replayed update")
             report.close_s += time.perf_counter() - t0
         except Exception as exc:  # noqa: BLE001 - the group broke: a peer is gone

@@ -45,6 +45,31 @@ def tiny_config(family: str, **overrides) -> ModelConfig:
 TINY_QWEN3 = dict(family="qwen3", vocab_size=96, num_hidden_layers=2, **TINY_SHAPES["qwen3"])
 
 
+def served_greedy(url: str, prompt: list[int], max_new_tokens: int, timeout_s: float = 60.0) -> list[int]:
+    """A `tidal serve` engine's greedy continuation of ``prompt`` (token ids; EOS ignored)."""
+    import httpx
+
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+    }
+    resp = httpx.post(f"{url}/generate", json=body, timeout=timeout_s)
+    resp.raise_for_status()
+    return resp.json()["output_ids"]
+
+
+def served_weight(url: str, name: str, truncate_size: int, timeout_s: float = 30.0):
+    """A `tidal serve` engine's tensor ``name`` (flattened, its first ``truncate_size`` values) as fp32;
+    exact for fp32 and bf16 weights (fp32 -> JSON double -> fp32)."""
+    import httpx
+    import torch
+
+    body = {"name": name, "truncate_size": truncate_size}
+    resp = httpx.post(f"{url}/get_weights_by_name", json=body, timeout=timeout_s)
+    resp.raise_for_status()
+    return torch.tensor(resp.json(), dtype=torch.float32)
+
+
 @contextmanager
 def served_engine(model: dict, *overrides: str, log_path: Path, start_timeout_s: float = 180.0):
     """A `tidal serve` process of ``model`` (ModelConfig fields) with config ``overrides``, started and

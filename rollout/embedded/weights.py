@@ -42,8 +42,9 @@ def load_all(loader, tensors: list[tuple[str, torch.Tensor]], known: bool = Fals
     pairs = [pair for name, t in tensors for pair in loader.copies(name, t)]
     # CUDA's multi-tensor kernels take a list only if every source has its destination's strides: one
     # strided pair (a fused QKV's q, k or v) would send the whole list to a copy per tensor
-    alike = [(d, s) for d, s in pairs if d.stride() == s.stride()]
-    unlike = [(d, s) for d, s in pairs if d.stride() != s.stride()]
+    alike, unlike = [], []
+    for pair in pairs:
+        (alike if pair[0].stride() == pair[1].stride() else unlike).append(pair)
     with torch.no_grad():
         for group in (alike, unlike):
             if group:

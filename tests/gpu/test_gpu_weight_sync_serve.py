@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import math
 
-import httpx
 import pytest
 import torch
 
 from tidal.model_config import ModelConfig
 from tidal.procs import free_port, python_cmd, spawn, stop, wait_for_tcp
 from tidal.rollout.embedded.model import build_model
-from tidal.rollout.embedded.testing import TINY_QWEN3
+from tidal.rollout.embedded.testing import TINY_QWEN3, served_greedy, served_weight
 from tidal.weights_sync.config import WeightSyncConfig
 from tidal.weights_sync.engine_api import EngineEndpoint
 from tidal.weights_sync.families import mapping_for
@@ -51,19 +50,11 @@ def _trainer_state(seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.
 
 
 def _served(url: str, name: str) -> torch.Tensor:
-    resp = httpx.post(f"{url}/get_weights_by_name", json={"name": name, "truncate_size": 1 << 22}, timeout=60)
-    resp.raise_for_status()
-    return torch.tensor(resp.json(), dtype=torch.float32)
+    return served_weight(url, name, truncate_size=1 << 22, timeout_s=60)
 
 
 def _greedy(url: str) -> list[int]:
-    body = {
-        "input_ids": PROMPT,
-        "sampling_params": {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True},
-    }
-    resp = httpx.post(f"{url}/generate", json=body, timeout=120)
-    resp.raise_for_status()
-    return resp.json()["output_ids"]
+    return served_greedy(url, PROMPT, max_new_tokens=12, timeout_s=120)
 
 
 def _sync_three_times(relayout: str, tmp_path) -> tuple[list[int], str]:

@@ -16,7 +16,7 @@ import torch
 
 from tidal.model_config import ModelConfig
 from tidal.rollout.embedded.model import build_model
-from tidal.rollout.embedded.testing import TINY_QWEN3, served_engine
+from tidal.rollout.embedded.testing import TINY_QWEN3, served_engine, served_greedy, served_weight
 from tidal.weights_sync import bucket
 from tidal.weights_sync.config import WeightSyncConfig
 from tidal.weights_sync.engine_api import EngineEndpoint
@@ -68,9 +68,7 @@ def _weights(seed: int) -> dict[str, torch.Tensor]:
 
 
 def _served(url: str, name: str) -> torch.Tensor:
-    resp = httpx.post(f"{url}/get_weights_by_name", json={"name": name, "truncate_size": 1 << 20}, timeout=30)
-    resp.raise_for_status()
-    return torch.tensor(resp.json(), dtype=torch.float32)  # fp32 -> JSON double -> fp32 is exact
+    return served_weight(url, name, truncate_size=1 << 20)
 
 
 def _stats(url: str) -> dict:
@@ -78,13 +76,7 @@ def _stats(url: str) -> dict:
 
 
 def _greedy(url: str) -> list[int]:
-    body = {
-        "input_ids": PROMPT,
-        "sampling_params": {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True},
-    }
-    resp = httpx.post(f"{url}/generate", json=body, timeout=60)
-    resp.raise_for_status()
-    return resp.json()["output_ids"]
+    return served_greedy(url, PROMPT, max_new_tokens=8)
 
 
 def _sync(url: str, weights: dict[str, torch.Tensor], version: int, **config):
