@@ -90,6 +90,7 @@ def _broker_producer(
     in_flight: int,
     wait_acks: bool,
     request_leases: bool,
+    submit_memory: bool,
     go,
     cpu,
 ) -> None:
@@ -134,7 +135,7 @@ def _broker_producer(
             await client.release(lease.lease_id)
 
     async def main() -> None:
-        client = AsyncBrokerClient(address, timeout_s=120)
+        client = AsyncBrokerClient(address, timeout_s=120, submit_memory=submit_memory)
         await client.register("rollout", "bench")
         go.wait()
         c0 = time.process_time()
@@ -145,7 +146,7 @@ def _broker_producer(
         else:
             await streamed(client, groups)
         await client.close()
-        cpu.put(time.process_time() - c0)
+        cpu.put((time.process_time() - c0, client.span_submits, client.wire_submits))
 
     asyncio.run(main())
 
@@ -162,6 +163,7 @@ class BrokerOptions:
     journal_reads: bool = True
     memory_reads: bool = True  # the consumer copies batches out of the broker's memory (else the journal)
     request_leases: bool = False
+    submit_memory: bool = True  # producers encode into memory shared with the broker (submit_memory)
     # The consumer publishes a policy version after each batch, as the trainer does after each step, and
     # the broker admits by its staleness bound (this eta; "keep": nothing is dropped): the groups held
     # stay bounded and the broker reuses its memory. None: no versions, admission wide open (producers
@@ -213,7 +215,7 @@ def run_broker(
     try:
         proc, address = _start(run_dir, groups_total, batch_groups, publish, opts)
         go, cpu = mp.Event(), mp.Queue()
-        args = (opts.per_lease, opts.in_flight, opts.wait_acks, opts.request_leases)
+        args = (opts.per_lease, opts.in_flight, opts.wait_acks, opts.request_leases, opts.submit_memory)
         procs = [
             mp.Process(
                 target=_broker_producer,
@@ -273,7 +275,13 @@ def run_broker(
                 f" {local.batches_read}",
                 file=sys.stderr,
             )
-        producers = sum(cpu.get() for _ in procs)
+        reports = [cpu.get() for _ in procs]
+        producers = sum(r[0] for r in reports)
+        print(
+            f"    producer submits through shared memory {sum(r[1] for r in reports)}, over the wire"
+            f" {sum(r[2] for r in reports)}",
+            file=sys.stderr,
+        )
         for p in procs:
             p.join()
         cpu_s = {"producers": producers, "broker": broker, "consumer": consumer}
@@ -326,6 +334,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the consumer gets group frames on the wire even on the broker's host (as a trainer on "
         "another machine does) instead of reading them from the journal",
+    )
+    ap.add_argument(
+        "--no-submit-memory",
+        action="store_true",
+        help="producers on the broker's host send their group frames over the wire instead of encoding "
+        "them into the memory the broker shares with them (submit_memory)",
     )
     ap.add_argument(
         "--no-memory-reads",
@@ -399,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         journal_reads=not args.no_journal_reads,
         memory_reads=not args.no_memory_reads,
         request_leases=args.request_leases,
+        submit_memory=not args.no_submit_memory,
         max_staleness=None if args.open_admission else args.max_staleness,
         wait_reports=args.wait_reports,
         extra=extra,

@@ -29,6 +29,8 @@ from tidal.broker.client_support import (
 )
 from tidal.broker.codec import decode_group, encode_group, lease_from_wire
 from tidal.broker.curve import CurveClientKeys
+from tidal.broker.local_journal import host_id
+from tidal.broker.submit_memory import SubmitMemoryUnavailable, SubmitRing
 from tidal.broker.types import Batch, Group, Lease
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,10 @@ class BrokerError(Exception):
 
 class BrokerTimeout(BrokerError):
     """No reply in time."""
+
+
+class _RingFull(Exception):
+    """The submit memory has no room for a group: the submit goes over the wire."""
 
 
 def _raise_for(type_: str, body: dict[str, Any], what: str) -> None:
@@ -111,10 +117,17 @@ class AsyncBrokerClient:
         max_unacked_bytes: int = MAX_UNACKED_BYTES,
         read_journal: bool = True,
         read_memory: bool = True,
+        submit_memory: bool = True,
     ):
         self.address = address
         self.timeout_s = timeout_s
         self.node_id: str | None = None
+        # On the broker's host, group frames are encoded into memory the broker offers (submit_memory).
+        self._host = host_id() if submit_memory else None
+        self._ring: SubmitRing | None = None
+        self._span_order = asyncio.Lock()  # span submits reach the broker in the order they were allocated
+        self.wire_submits = 0  # submits whose frames went over the wire (no ring, or it was full)
+        self.span_submits = 0
         self._ctx = zmq.asyncio.Context()
         self._sock = _socket(self._ctx, address, curve)
         self._ids = itertools.count(1)
@@ -179,7 +192,9 @@ class AsyncBrokerClient:
                 await self._register_once()
 
     async def _register_once(self) -> None:
-        self.node_id = (await self._call_once("register", self._registration))[0]["node_id"]
+        body = (await self._call_once("register", self._registration))[0]
+        self.node_id = body["node_id"]
+        self._map_ring(body.get("submit_memory"))
         self._generation += 1
         if self._stream is not None:  # the new registration has no standing request yet
             await self._call_once("stream_leases", self._stream)
@@ -228,8 +243,24 @@ class AsyncBrokerClient:
         _raise_for(rtype, rbody, type_)
         return rbody, rframes
 
+    def _map_ring(self, offer: dict[str, Any] | None) -> None:
+        self._drop_ring()  # a new registration has a new ring (or none)
+        if offer is None:
+            return
+        try:
+            self._ring = SubmitRing(offer)
+        except SubmitMemoryUnavailable as exc:
+            log.info("submitting over the wire: %s", exc)
+
+    def _drop_ring(self) -> None:
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
+
     async def register(self, role: str, name: str, meta: dict | None = None) -> str:
         self._registration = {"role": role, "name": name, "meta": meta or {}}
+        if self._host is not None:
+            self._registration["host"] = self._host
         self._stream = None
         async with self._register_lock:
             await self._register_once()
@@ -286,6 +317,17 @@ class AsyncBrokerClient:
         """Send whole groups without waiting for their acknowledgement: returns once they are on their way
         (waiting first while ``max_unacked_bytes`` are unacknowledged) with a future of what
         :meth:`submit` returns. The broker acknowledges cumulatively, once the groups are journaled."""
+        if self._ring is not None:
+            async with self._span_order:
+                spans = self._encode_into_ring(groups)
+                if spans is not None:
+                    body = {"lease_id": lease_id, "groups": len(groups), "spans": spans}
+                    rid, fut = await self._send(
+                        "submit", body, (), self.timeout_s, [g.group_id for g in groups]
+                    )
+                    self.span_submits += 1
+                    return asyncio.ensure_future(self._submitted(rid, fut, [], 0))
+        self.wire_submits += 1
         frames = [encode_group(g, self._buffers.take) for g in groups]
         nbytes = sum(len(f) for f in frames)
         await self._acquire_window(nbytes)
@@ -297,15 +339,39 @@ class AsyncBrokerClient:
             raise
         return asyncio.ensure_future(self._submitted(rid, fut, frames, nbytes))
 
+    def _encode_into_ring(self, groups: list[Group]) -> list[list[int]] | None:
+        """Each group's frame encoded into the submit memory: their [start, length] spans, or None (and
+        nothing allocated) when the ring has no room for all of them."""
+        ring = self._ring
+        mark, spans = ring.head, []
+
+        def alloc(nbytes: int):
+            got = ring.alloc(nbytes)
+            if got is None:
+                raise _RingFull
+            spans.append([got[0], nbytes])
+            return got[1]
+
+        try:
+            for g in groups:
+                encode_group(g, alloc)
+        except _RingFull:
+            ring.head = mark  # nothing was sent: the spans are free again
+            return None
+        return spans
+
     async def _submitted(self, rid: int, fut: asyncio.Future, frames: list, nbytes: int) -> dict:
         try:
             body = (await self._reply("submit", rid, fut, self.timeout_s))[0]
         except BrokerTimeout:  # without an answer the frames may still be in flight: not reused
             await self._release_window(nbytes)
             raise
-        except (BrokerError, LeaseRejected):
+        except (BrokerError, LeaseRejected) as exc:
             self._buffers.give(frames)
             await self._release_window(nbytes)
+            if isinstance(exc, BrokerError) and exc.code == proto.NO_SUBMIT_MEMORY:
+                self._drop_ring()  # the broker closed it (this node timed out): its leases went back
+                raise LeaseRejected(str(exc)) from None
             raise
         self._buffers.give(frames)
         await self._release_window(nbytes)
@@ -363,6 +429,7 @@ class AsyncBrokerClient:
     async def leave(self) -> None:
         await self._call("leave", {})
         self.node_id, self._registration = None, None
+        self._drop_ring()
 
     async def close(self) -> None:
         if self._reader is not None:
@@ -370,6 +437,7 @@ class AsyncBrokerClient:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
             self._reader = None
+        self._drop_ring()
         self._local.close()
         self._sock.close(0)
         self._ctx.term()

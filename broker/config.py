@@ -80,6 +80,15 @@ class BrokerConfig(BaseModel):
         "memory (process_vm_readv, checked against each group's CRC) instead of reading them back from "
         "the journal's device, which then only writes; off: such consumers read the journal",
     )
+    submit_memory_bytes: int = Field(
+        256 << 20,
+        ge=0,
+        description="0: off. Else a rollout node on the broker's host is offered a ring of this many bytes "
+        "of memory shared with the broker (memfd) to encode its group frames into, and submits only where "
+        "they lie: the frames then never cross loopback into the broker. The ring holds the node's groups "
+        "until the broker lets go of them (consumed or dropped); when it is full, submits go over the "
+        "wire. Memory is committed as the ring is first filled, up to this size per local node",
+    )
     huge_page_heap_bytes: int = Field(
         0,
         ge=0,

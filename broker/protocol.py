@@ -52,6 +52,7 @@ NOT_REGISTERED = "not_registered"
 LEASE_REJECTED = "lease_rejected"
 BAD_GROUP = "bad_group"  # group frame malformed or inconsistent with its lease (sample count, arrays)
 BAD_REQUEST = "bad_request"  # well-formed but not acceptable now (batch order, consumed batch, ...)
+NO_SUBMIT_MEMORY = "no_submit_memory"  # a submit named spans of a ring this node no longer has
 
 
 class ProtocolError(Exception):
@@ -138,7 +139,8 @@ def decode_request(frames: list[Any], max_frame_bytes: int) -> Request:
                 f"{type_}: field {key!r} must be {getattr(want, '__name__', want)}, got {type(value).__name__}",
             )
     attachments = list(frames[1:])
-    expected = body["groups"] if type_ == "submit" else 0
+    # a submit carries its group frames, or names where they lie in memory shared with the broker
+    expected = body["groups"] if type_ == "submit" and "spans" not in body else 0
     if len(attachments) != expected:
         raise ProtocolError(
             BAD_FRAME, f"{type_}: body announces {expected} attachment(s) but {len(attachments)} came"

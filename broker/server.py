@@ -31,7 +31,8 @@ from tidal.broker.config import BrokerConfig
 from tidal.broker.curve import configure_server
 from tidal.broker.local_journal import host_id
 from tidal.broker.state import BrokerState
-from tidal.broker.state_records import CutBatch
+from tidal.broker.state_records import CutBatch, Node
+from tidal.broker.submit_memory import SubmitArena, can_share
 
 log = logging.getLogger(__name__)
 
@@ -253,10 +254,12 @@ class BrokerServer:
             raise proto.ProtocolError(proto.BAD_FRAME, "register: meta must be a map")
         node = self.state.register(peer, req.body["role"], req.body["name"], meta, time.time())
         log.info("node %s (%s %r) joined", node.node_id, node.role, node.name)
+        offer = self._submit_memory(node, req.body.get("host"))
         self._ok(
             peer,
             req.id,
             {
+                **offer,
                 "node_id": node.node_id,
                 "policy_version": self.state.version,
                 "protocol": proto.PROTOCOL_VERSION,
@@ -267,6 +270,18 @@ class BrokerServer:
                 "node_timeout_s": self.cfg.node_timeout_s,
             },
         )
+
+    def _submit_memory(self, node: Node, host: Any) -> dict[str, Any]:
+        """A ring of shared memory for a rollout node on this host to submit through (submit_memory)."""
+        size = self.cfg.submit_memory_bytes
+        if not (size and node.role == "rollout" and host is not None and host == self.host and can_share()):
+            return {}
+        try:
+            node.arena = SubmitArena(size)
+        except OSError as exc:
+            log.warning("no submit memory for node %s: %s", node.node_id, exc)
+            return {}
+        return {"submit_memory": node.arena.offer(self.pid)}
 
     def _on_heartbeat(self, peer: bytes, req: proto.Request) -> None:
         now = time.time()
@@ -320,7 +335,22 @@ class BrokerServer:
     def _on_submit(self, peer: bytes, req: proto.Request) -> None:
         now = time.time()
         node = self.state.node_for(peer, now)
-        result = self.state.submit(node, req.body["lease_id"], req.attachments, now)
+        frames = req.attachments
+        spans = req.body.get("spans")
+        if spans is not None:
+            if node.arena is None:
+                raise proto.ProtocolError(
+                    proto.NO_SUBMIT_MEMORY,
+                    "submit: this node has no submit memory (none was offered, or it timed out and its "
+                    "leases went back to the queue): lease again and submit over the wire",
+                )
+            if not isinstance(spans, list) or len(spans) != req.body["groups"]:
+                raise proto.ProtocolError(
+                    proto.BAD_FRAME,
+                    f"submit: body announces {req.body['groups']} group(s); spans must be a list of as many",
+                )
+            frames = node.arena.spans(spans, self.cfg.max_frame_bytes)
+        result = self.state.submit(node, req.body["lease_id"], frames, now)
         # No reply of its own: one cumulative ack per connection covers every submit handled in this
         # wake-up, sent once their records are written (see _queue_acks).
         key = (peer, node.node_id)
@@ -455,5 +485,11 @@ class BrokerServer:
         out["auth_failures"] = self.auth_failures
         out["requests"] = self.requests
         out["waiting_batch_requests"] = len(self._waiters)
+        arenas = [n.arena for n in self.state.nodes.values() if n.arena is not None]
+        out["submit_memory"] = {
+            "nodes": len(arenas),
+            "spans_taken": sum(a.spans_taken for a in arenas),
+            "spans_held": sum(a.held for a in arenas),
+        }
         out["uptime_s"] = round(time.time() - self.started, 3)
         return out

@@ -40,6 +40,12 @@ def _unpack(payload: memoryview) -> Any:
     return msgpack.unpackb(payload, raw=False, strict_map_key=False)
 
 
+def _close_arena(node: Node) -> None:
+    if node.arena is not None:
+        node.arena.close()
+        node.arena = None
+
+
 class BrokerState:
     def __init__(self, config: BrokerConfig, source: PromptSource, journal: Journal | None):
         self.cfg = config
@@ -153,6 +159,7 @@ class BrokerState:
         for lease_id in list(node.leases):
             self._return_lease(lease_id)
         node.alive = False
+        _close_arena(node)
         self.peers.pop(node.peer, None)
         self.nodes.pop(node.node_id, None)
         self.streaming.pop(node.node_id, None)
@@ -265,6 +272,7 @@ class BrokerState:
         for node in self.nodes.values():
             if node.alive and now - node.last_seen > self.cfg.node_timeout_s:
                 node.alive = False
+                _close_arena(node)  # a dead node's ring is not kept mapped; held spans stay readable
                 self.counters.nodes_timed_out += 1
                 for lease_id in list(node.leases):
                     self.counters.expired_leases += 1

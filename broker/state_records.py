@@ -27,6 +27,8 @@ class Node:
     stream_max: int = 0
     stream_id: int = 0
     told_finished: bool = False
+    # The ring of memory shared with the broker for its submits (submit_memory.SubmitArena), if on its host.
+    arena: Any = None
 
 
 @dataclass

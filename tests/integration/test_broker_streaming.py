@@ -69,7 +69,8 @@ def test_submits_sent_back_to_back_are_acknowledged_cumulatively_and_errors_stay
 
 def test_streamed_submits_resolve_with_their_groups_and_respect_the_window(broker):
     async def scenario() -> None:
-        async with AsyncBrokerClient(broker, timeout_s=20) as client:
+        # Over the wire (the window bounds frames in flight; submits through shared memory have the ring)
+        async with AsyncBrokerClient(broker, timeout_s=20, submit_memory=False) as client:
             await client.register("rollout", "streamer")
             lease = await client.lease(8)
             groups = [fake_group(pg, response_len=256) for pg in lease.groups]
