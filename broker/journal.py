@@ -6,6 +6,12 @@ format number in ASCII); a log of another format is refused, naming what to do. 
 torn or fails its checksum (a crash mid-write); the file is truncated there. Compaction writes the live
 state to ``journal.log.tmp``, fsyncs it and renames it over the log, so a crash leaves one whole file.
 
+Compaction copies no group frame (format 3): the new file's ``REF`` records name where each live group's
+record lies in an earlier file, which is kept under ``journal.<file id>.log`` (a hard link made before the
+rename) for as long as some compaction still refers to it; files no longer referred to are deleted after
+each compaction and on open. Copying the live groups stalled every append behind hundreds of MB of
+writes at 8K-32K-token samples (docs/BENCHMARKS.md, session 11).
+
 Appends use O_DIRECT where the file system allows it (``broker.journal.direct_io``), so a record is on
 the device when ``append`` returns; otherwise they go through the page cache.
 
@@ -22,6 +28,7 @@ import logging
 import os
 import struct
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from enum import IntEnum
@@ -39,6 +46,10 @@ _HEADER = struct.Struct("<BII")
 _PR_SET_NAME = 15  # prctl option (linux/prctl.h)
 # Copies of at least this many bytes into the staging buffer go through numpy, which releases the GIL.
 COPY_WITHOUT_GIL = 64 << 10
+# Files compaction no longer refers to are deleted this many bytes at a time, pausing between slices
+# (at most 4 GB/s: more than the device writes, so deletion keeps up with any run).
+DELETE_SLICE = 8 << 20
+DELETE_PAUSE_S = 0.002
 
 
 class Kind(IntEnum):
@@ -51,10 +62,15 @@ class Kind(IntEnum):
     SNAPSHOT = 7  # compacted state; followed by RESTORE records of the groups it still needs
     RESTORE = 8  # a group frame kept by compaction (bookkeeping lives in the SNAPSHOT)
     FORMAT = 9  # the first record: the journal format number
+    REF = 10  # a group kept by compaction where it lies: file id, payload offset and length (format 3)
 
 
 # 2: group frames with per-sample columns in the data region (protocol v2). Format 1 had no FORMAT record.
-FORMAT_VERSION = 2
+# 3: compaction refers to live groups in earlier files (REF) instead of copying them (RESTORE); a format-2
+# log reads the same way.
+FORMAT_VERSION = 3
+READABLE_FORMATS = ("2", "3")
+_REF = struct.Struct("<16sQI")
 # The FORMAT payload is "<format> <file id>": the file id (16 hex digits, new for every file a compaction
 # writes) lets a reader on this host that was given offsets check it opened the file they refer to.
 FILE_ID_CHARS = 16
@@ -80,6 +96,25 @@ class JournalFormatError(RuntimeError):
     """The log was written in a format this broker does not read."""
 
 
+class JournalCorrupt(RuntimeError):
+    """A record the log refers to is missing or does not match its checksum."""
+
+
+def ref_payload(file_id: str, offset: int, length: int) -> bytes:
+    """A REF record's payload: the group record whose payload lies at ``offset`` of file ``file_id``."""
+    return _REF.pack(file_id.encode(), offset, length)
+
+
+def parse_ref(payload: bytes | memoryview) -> tuple[str, int, int]:
+    file_id, offset, length = _REF.unpack(payload)
+    return file_id.decode(), offset, length
+
+
+def segment_path(directory: Path, file_id: str) -> Path:
+    """Where an earlier journal file that compaction still refers to is kept."""
+    return directory / f"journal.{file_id}.log"
+
+
 def _crc(kind: int, payload: bytes | memoryview) -> int:
     return crc32(payload, crc32(bytes((kind,))))
 
@@ -96,7 +131,13 @@ def _record(kind: Kind, payload: bytes | memoryview, crc: int | None = None) -> 
 
 def read_records(data: memoryview) -> tuple[list[tuple[Kind, memoryview]], int]:
     """Parse ``data``; returns the good records (payloads are views into ``data``) and the good length."""
-    out: list[tuple[Kind, memoryview]] = []
+    records, good = read_records_at(data)
+    return [(kind, payload) for kind, payload, _ in records], good
+
+
+def read_records_at(data: memoryview) -> tuple[list[tuple[Kind, memoryview, int]], int]:
+    """:func:`read_records` with each payload's offset in ``data``."""
+    out: list[tuple[Kind, memoryview, int]] = []
     pos = 0
     while pos + _HEADER.size <= len(data):
         kind, length, crc = _HEADER.unpack_from(data, pos)
@@ -106,9 +147,38 @@ def read_records(data: memoryview) -> tuple[list[tuple[Kind, memoryview]], int]:
         payload = data[pos + _HEADER.size : end]
         if _crc(kind, payload) != crc:
             break
-        out.append((Kind(kind), payload))
+        out.append((Kind(kind), payload, pos + _HEADER.size))
         pos = end
     return out, pos
+
+
+def read_referred(directory: Path, refs: list[tuple[str, int, int]]) -> list[memoryview]:
+    """The group payloads REF records name, read from the earlier files and checked (kind, length, CRC)."""
+    out: list[memoryview] = []
+    fds: dict[str, int] = {}
+    try:
+        for file_id, offset, length in refs:
+            path = segment_path(directory, file_id)
+            if file_id not in fds:
+                try:
+                    fds[file_id] = os.open(path, os.O_RDONLY)
+                except OSError as exc:
+                    raise JournalCorrupt(
+                        f"journal file {path}, which the log refers to, cannot be read: {exc}"
+                    ) from None
+            raw = os.pread(fds[file_id], _HEADER.size + length, offset - _HEADER.size)
+            kind, got, crc = _HEADER.unpack_from(raw) if len(raw) >= _HEADER.size else (0, -1, 0)
+            payload = memoryview(raw)[_HEADER.size :]
+            if kind not in (Kind.GROUP, Kind.RESTORE) or got != length or _crc(kind, payload) != crc:
+                raise JournalCorrupt(
+                    f"journal file {path} holds no intact group record of {length} bytes at {offset}, which the "
+                    "log refers to"
+                )
+            out.append(payload)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return out
 
 
 class _BufferedWriter:
@@ -257,6 +327,8 @@ class Journal:
         # Where appended records land, as the appender sees it (records staged for the writer included):
         # the id of the file they go to, its size once they are written, and the last payload's offset.
         self.file_id: str | None = None
+        self._writing_id: str | None = None  # the file the writer writes (file_id runs ahead in compaction)
+        self.replayed_locs: list[tuple[str, int] | None] = []
         self._tail = 0
         self.last_offset = 0
 
@@ -270,12 +342,14 @@ class Journal:
         return self._writer.size if self._writer else 0
 
     def open(self) -> list[tuple[Kind, memoryview]]:
-        """Read the existing log (truncating a torn tail) and open it for appending."""
-        records: list[tuple[Kind, memoryview]] = []
+        """Read the existing log (truncating a torn tail) and open it for appending. REF records come back
+        as the RESTORE records of the groups they name; ``replayed_locs`` says where each GROUP or RESTORE
+        record's payload lies ((file id, offset), parallel to the records returned)."""
+        records: list[tuple[Kind, memoryview, int]] = []
         good = 0
         if self.path.exists():
             data = memoryview(self.path.read_bytes())
-            records, good = read_records(data)
+            records, good = read_records_at(data)
             if records and records[0][0] is Kind.FORMAT:
                 self.file_id = parse_format(records[0][1])[1]
             records = self._check_format(records)
@@ -291,25 +365,68 @@ class Journal:
                 with open(self.path, "r+b") as f:
                     f.truncate(good)
                     os.fsync(f.fileno())
+        out, self.replayed_locs = self._resolve(records)
+        self._forget_segments({loc[0] for loc in self.replayed_locs if loc is not None})
         self._writer = _open_writer(self.path, good, self.direct_io)
         if good == 0:
             self.file_id = new_file_id()
             self._writer.write(_record(Kind.FORMAT, format_payload(self.file_id)))
+        self._writing_id = self.file_id
         self._tail = self._writer.size
         if self.fsync == "interval":
             self._start(self._sync_loop, "journal-fsync")
         if self.background:
             self._start(self._write_loop, "journal-writer")
-        return records
+        return out
 
-    def _check_format(self, records: list[tuple[Kind, memoryview]]) -> list[tuple[Kind, memoryview]]:
+    def _resolve(
+        self, records: list[tuple[Kind, memoryview, int]]
+    ) -> tuple[list[tuple[Kind, memoryview]], list[tuple[str, int] | None]]:
+        refs = [parse_ref(payload) for kind, payload, _ in records if kind is Kind.REF]
+        referred = iter(read_referred(self.dir, refs))
+        kept = iter(refs)
+        out: list[tuple[Kind, memoryview]] = []
+        locs: list[tuple[str, int] | None] = []
+        for kind, payload, offset in records:
+            if kind is Kind.REF:
+                file_id, at, _ = next(kept)
+                out.append((Kind.RESTORE, next(referred)))
+                locs.append((file_id, at))
+            else:
+                out.append((kind, payload))
+                held = kind in (Kind.GROUP, Kind.RESTORE) and self.file_id is not None
+                locs.append((self.file_id, offset) if held else None)
+        return out, locs
+
+    def _forget_segments(self, keep: set[str], wait: bool = True) -> None:
+        """Delete the earlier files no record of the log refers to any more. Behind a compaction
+        (``wait=False``) a thread of its own does it, shrinking each file a slice at a time (see
+        ``DELETE_SLICE``), so that appends do not wait behind it."""
+        doomed = [p for p in self.dir.glob("journal.*.log") if p.name.split(".")[1] not in keep]
+        if not doomed:
+            return
+
+        def unlink() -> None:
+            for path in doomed:
+                _delete_in_slices(path, DELETE_SLICE if not wait else 0)
+
+        if wait:
+            unlink()
+        else:
+            t = threading.Thread(target=unlink, name="journal-unlink", daemon=True)
+            t.start()
+            self._threads.append(t)  # close() waits for it
+
+    def _check_format(
+        self, records: list[tuple[Kind, memoryview, int]]
+    ) -> list[tuple[Kind, memoryview, int]]:
         if not records:
             return records
-        kind, payload = records[0]
+        kind, payload, _ = records[0]
         found = parse_format(payload)[0] if kind is Kind.FORMAT else "1"
-        if found != str(FORMAT_VERSION):
+        if found not in READABLE_FORMATS:
             raise JournalFormatError(
-                f"journal {self.path} is in format {found}, this broker reads format {FORMAT_VERSION} "
+                f"journal {self.path} is in format {found}, this broker reads formats {', '.join(READABLE_FORMATS)} "
                 "(its group frames changed layout): finish that run with the tidal version that wrote it, "
                 "or move the journal directory away to start afresh"
             )
@@ -476,6 +593,15 @@ class Journal:
 
     def _replace(self, compaction: tuple[str, Iterable[tuple[Kind, bytes | memoryview]]]) -> None:
         file_id, records = compaction
+        records = list(records)
+        referred = {parse_ref(payload)[0] for kind, payload in records if kind is Kind.REF}
+        if self._writing_id in referred:
+            # The file being replaced holds live groups: it stays, under its own name, and whole on disk.
+            with self._io:
+                os.fsync(self._writer.fd)
+                kept = segment_path(self.dir, self._writing_id)
+                if not kept.exists():
+                    os.link(self.path, kept)
         tmp = self.path.with_suffix(".log.tmp")
         tmp.unlink(missing_ok=True)
         # The same writer as appends (O_DIRECT where allowed): the live groups may be hundreds of MB, and
@@ -494,7 +620,9 @@ class Journal:
             _fsync_path(self.dir)
             self._writer.close()
             self._writer = _open_writer(self.path, size, self.direct_io)
+            self._writing_id = file_id
             self._dirty = False
+        self._forget_segments(referred, wait=False)
         self.compacting = False
 
     def _sync_loop(self) -> None:
@@ -550,6 +678,26 @@ def _write_all(fd: int, parts: list[bytes | memoryview]) -> None:
                 rest.append(v[n:])
                 n = 0
         views = [v for v in rest if len(v)]
+
+
+def _delete_in_slices(path: Path, step: int) -> None:
+    """Truncate ``path`` by ``step`` bytes at a time, pausing between slices, then unlink it (step 0: at
+    once). A file system mounted with ``discard`` trims freed blocks as they are freed: unlinking a file of
+    hundreds of MB in one go took 120-140 ms here, and the appends behind it stalled 50-90 ms."""
+    if step:
+        try:
+            fd = os.open(path, os.O_WRONLY)
+        except OSError:
+            return
+        try:
+            size = os.fstat(fd).st_size
+            while size > step:
+                size -= step
+                os.ftruncate(fd, size)
+                time.sleep(DELETE_PAUSE_S)
+        finally:
+            os.close(fd)
+    path.unlink(missing_ok=True)
 
 
 def _fsync_path(path: Path) -> None:

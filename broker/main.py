@@ -52,7 +52,7 @@ def build_state(config) -> BrokerState:
     )
     state = BrokerState(cfg, source, journal)
     records = journal.open()
-    state.replay(records)
+    state.replay(records, journal.replayed_locs)
     state.maybe_compact()
     return state
 

@@ -22,7 +22,7 @@ import msgpack
 from tidal.broker import staleness as st
 from tidal.broker.codec import inspect_group
 from tidal.broker.config import BrokerConfig
-from tidal.broker.journal import Journal, Kind, record_crc
+from tidal.broker.journal import Journal, Kind, record_crc, ref_payload
 from tidal.broker.local_memory import frame_address
 from tidal.broker.protocol import BAD_GROUP, BAD_REQUEST, LEASE_REJECTED, NOT_REGISTERED, ProtocolError
 from tidal.broker.source import PromptSource
@@ -83,15 +83,19 @@ class BrokerState:
         if self.journal is not None:
             self.journal.append(kind, payload)
 
-    def replay(self, records: list[tuple[Kind, memoryview]]) -> None:
-        """Rebuild the state from the journal; leases do not survive a restart, their prompts are re-queued."""
-        for kind, payload in records:
+    def replay(
+        self, records: list[tuple[Kind, memoryview]], locs: list[tuple[str, int] | None] | None = None
+    ) -> None:
+        """Rebuild the state from the journal; leases do not survive a restart, their prompts are re-queued.
+        ``locs``: where each record's payload lies (the journal's ``replayed_locs``), for the groups."""
+        for i, (kind, payload) in enumerate(records):
+            loc = locs[i] if locs else None
             if kind is Kind.GROUP:
                 info = inspect_group(payload)
                 self.outstanding.pop(info.group_id, None)
-                self._accept(StoredGroup(info, payload), now=None)
+                self._accept(StoredGroup(info, payload, loc), now=None)
             elif kind is Kind.RESTORE:
-                stored = StoredGroup(inspect_group(payload), payload)
+                stored = StoredGroup(inspect_group(payload), payload, loc)
                 gid = stored.info.group_id
                 (self.buffer if gid in self.buffer else self.batch_store)[gid] = stored
             else:
@@ -482,10 +486,12 @@ class BrokerState:
         if dead < jc.compact_every_bytes or dead < jc.compact_dead_per_live * live:
             return False
         offsets = j.compact(self._snapshot_records())
-        # The snapshot first, then one RESTORE per kept group in this order: they now lie in the new file.
+        # The snapshot first, then per kept group a REF to where it lies (it stays there) or, for a group
+        # whose place is unknown, a RESTORE that copies it into the new file.
         kept = [*self.buffer.values(), *self.batch_store.values()]
         for s, offset in zip(kept, offsets[1:], strict=True):
-            s.loc = (j.file_id, offset)
+            if s.loc is None:
+                s.loc = (j.file_id, offset)
         return True
 
     def _snapshot_records(self):
@@ -504,7 +510,10 @@ class BrokerState:
         }
         yield Kind.SNAPSHOT, _pack(snap)
         for s in (*self.buffer.values(), *self.batch_store.values()):
-            yield Kind.RESTORE, s.frame.buffer if hasattr(s.frame, "buffer") else s.frame
+            if s.loc is not None:
+                yield Kind.REF, ref_payload(s.loc[0], s.loc[1], len(s.frame))
+            else:
+                yield Kind.RESTORE, s.frame.buffer if hasattr(s.frame, "buffer") else s.frame
 
     def _load_snapshot(self, d: dict[str, Any]) -> None:
         self.source.seek(*d["cursor"])

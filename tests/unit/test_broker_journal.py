@@ -98,7 +98,9 @@ def test_a_journal_of_another_format_is_refused_saying_what_to_do(tmp_path):
     j.close()
     data = j.path.read_bytes()
     j.path.write_bytes(data[FORMAT_BYTES:])  # format 1 had no FORMAT record
-    with pytest.raises(JournalFormatError, match="format 1, this broker reads format 2.*move the journal"):
+    with pytest.raises(
+        JournalFormatError, match="format 1, this broker reads formats 2, 3.*move the journal"
+    ):
         Journal(tmp_path).open()
 
 
@@ -135,7 +137,7 @@ def test_background_compaction_takes_its_place_among_the_appends(tmp_path):
 
 @pytest.mark.parametrize("background", [False, True])
 def test_append_and_compact_say_where_each_payload_lies_and_in_which_file(tmp_path, background):
-    from tidal.broker.journal import parse_format
+    from tidal.broker.journal import FORMAT_VERSION, parse_format
 
     j = Journal(tmp_path, fsync="never", background=background)
     j.open()
@@ -158,7 +160,7 @@ def test_append_and_compact_say_where_each_payload_lies_and_in_which_file(tmp_pa
     j.flush()
     data = j.path.read_bytes()
     records, _ = read_records(memoryview(data))
-    assert parse_format(records[0][1]) == ("2", j.file_id)
+    assert parse_format(records[0][1]) == (str(FORMAT_VERSION), j.file_id)
     for file_id, offset, payload in compacted:
         assert file_id == j.file_id and data[offset : offset + len(payload)] == payload
     j.close()
@@ -185,3 +187,68 @@ def test_background_mode_writes_small_commits_inline_and_large_ones_on_its_threa
     assert j.durable_seq == 3 and reported == [3]
     j.close()
     assert [k for k, _ in Journal(tmp_path).open()] == [Kind.GROUP, Kind.VERSION, Kind.GROUP]
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_compaction_refers_to_live_groups_where_they_lie_and_keeps_only_the_files_it_refers_to(
+    tmp_path, background
+):
+    from tidal.broker.journal import JournalCorrupt, ref_payload, segment_path
+
+    j = Journal(tmp_path, fsync="interval", fsync_interval_s=0.01, background=background)
+    j.open()
+    a, dead = os.urandom(5000), os.urandom(70_000)
+    j.append(Kind.GROUP, a)
+    where_a = (j.file_id, j.last_offset)
+    j.append(Kind.GROUP, dead)
+    first = j.file_id
+    j.compact([(Kind.SNAPSHOT, b"snap1"), (Kind.REF, ref_payload(*where_a, len(a)))])
+    c = os.urandom(3000)
+    j.append(Kind.GROUP, c)
+    where_c = (j.file_id, j.last_offset)
+    j.flush()
+    second = j.file_id
+    assert segment_path(tmp_path, first).exists()  # it holds a live group: kept, not copied
+    assert j.path.stat().st_size < len(a) + len(dead)
+    j.close()
+
+    again = Journal(tmp_path)
+    records = again.open()
+    assert [(k, bytes(p)) for k, p in records] == [
+        (Kind.SNAPSHOT, b"snap1"),
+        (Kind.RESTORE, a),
+        (Kind.GROUP, c),
+    ]
+    assert again.replayed_locs == [None, where_a, where_c]
+    # a is consumed: the next compaction refers to c alone, and the first file goes
+    again.compact([(Kind.SNAPSHOT, b"snap2"), (Kind.REF, ref_payload(*where_c, len(c)))])
+    again.close()
+    assert not segment_path(tmp_path, first).exists() and segment_path(tmp_path, second).exists()
+    assert sorted(p.name for p in tmp_path.glob("journal.*")) == sorted(
+        ["journal.log", f"journal.{second}.log"]
+    )
+
+    segment_path(tmp_path, second).unlink()  # lost by hand: the log names what it misses
+    with pytest.raises(JournalCorrupt, match=f"journal.{second}.log"):
+        Journal(tmp_path).open()
+
+
+def test_a_format_2_journal_still_opens(tmp_path):
+    from tidal.broker.journal import format_payload
+
+    j = Journal(tmp_path)
+    j.open()
+    j.append(Kind.VERSION, b"v")
+    j.close()
+    data = bytearray(j.path.read_bytes())
+    header = FORMAT_BYTES - len(format_payload(j.file_id))
+    assert data[header : header + 1] == b"3"
+    data[header : header + 1] = b"2"
+    import struct
+    import zlib
+
+    kind, length, _ = struct.unpack_from("<BII", data, 0)
+    payload = bytes(data[9 : 9 + length])
+    struct.pack_into("<BII", data, 0, kind, length, zlib.crc32(payload, zlib.crc32(bytes((kind,)))))
+    j.path.write_bytes(bytes(data))
+    assert [(k, bytes(p)) for k, p in Journal(tmp_path).open()] == [(Kind.VERSION, b"v")]
