@@ -49,6 +49,8 @@ COPY_WITHOUT_GIL = 64 << 10
 # Files compaction no longer refers to are deleted this many bytes at a time, pausing between slices
 # (at most 4 GB/s: more than the device writes, so deletion keeps up with any run).
 DELETE_SLICE = 8 << 20
+# The writer thread reports records durable every this many bytes of a pass (see _write_pass).
+DURABLE_SLICE = 8 << 20
 DELETE_PAUSE_S = 0.002
 
 
@@ -517,39 +519,57 @@ class Journal:
             if not self._queue:
                 return
             with self._pass:
-                seq = self._write_pass()
+                seq = self._write_pass(report=True)
             if seq is not None and self.on_durable is not None:
                 self.on_durable(seq)
 
-    def _write_pass(self) -> int | None:
+    def _write_pass(self, report: bool = False) -> int | None:
         """Take every queued record (and compaction) and write them in order; returns the durable
-        sequence number after them (None when another pass took them first). Holding ``_pass``."""
+        sequence number after them (None when another pass took them first). Holding ``_pass``. With
+        ``report`` (the writer thread), durability is reported every ``DURABLE_SLICE`` bytes written, so
+        replies waiting on the first records of a long pass need not wait for its last ones."""
         staged = [self._queue.popleft() for _ in range(len(self._queue))]
         if not staged:
             return None
-        seq = self.durable_seq + sum(kind is not None for kind, _, _ in staged)
+        done = self.durable_seq
+        parts: list[bytes | memoryview] = []
+        records = nbytes = 0
         try:
-            parts: list[bytes | memoryview] = []
             for kind, payload, crc in staged:
                 if kind is None:  # a compaction, in its place among the appends (see compact)
                     if parts:
                         with self._io:
                             self._write(parts)
-                        parts = []
+                        done += records
+                        parts, records, nbytes = [], 0, 0
                     self._replace(payload)
-                else:
-                    parts += _record(kind, payload, crc)
+                    continue
+                parts += _record(kind, payload, crc)
+                records += 1
+                nbytes += len(payload)
+                if report and nbytes >= DURABLE_SLICE:
+                    with self._io:
+                        self._write(parts)
+                    done += records
+                    parts, records, nbytes = [], 0, 0
+                    self._durable(done, report)
             if parts:
                 with self._io:
                     self._write(parts)
+                done += records
         except Exception:
             # Nothing may be acknowledged unjournaled: stop the broker; a restart replays the log.
             log.critical("journal %s: write failed; stopping the broker", self.path, exc_info=True)
             os._exit(70)
+        self._durable(done, report=False)  # the caller reports the end of the pass
+        return done
+
+    def _durable(self, seq: int, report: bool) -> None:
         with self._lock:
             self.durable_seq = seq
             self._lock.notify_all()
-        return seq
+        if report and self.on_durable is not None:
+            self.on_durable(seq)
 
     def flush(self) -> None:
         """Wait until every appended record is written."""
