@@ -252,3 +252,21 @@ def test_a_format_2_journal_still_opens(tmp_path):
     struct.pack_into("<BII", data, 0, kind, length, zlib.crc32(payload, zlib.crc32(bytes((kind,)))))
     j.path.write_bytes(bytes(data))
     assert [(k, bytes(p)) for k, p in Journal(tmp_path).open()] == [(Kind.VERSION, b"v")]
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_records_larger_than_the_staging_buffers_are_written_whole_and_in_order(tmp_path, background):
+    from tidal.broker.journal import _DirectWriter
+
+    j = Journal(tmp_path, fsync="interval", fsync_interval_s=0.01, background=background)
+    j.open()
+    assert j.direct, "this file system refuses O_DIRECT: the staging buffers are not used"
+    staging = _DirectWriter.STAGING
+    # across both buffers several times, ending mid-buffer and mid-block, then small records after
+    payloads = [os.urandom(n) for n in (staging - 100, 2 * staging + 12345, 7, staging // 3, 4096, 1)]
+    for p in payloads:
+        j.append(Kind.GROUP, p)
+        j.commit()
+    j.flush()
+    j.close()
+    assert [bytes(p) for _, p in Journal(tmp_path).open()] == payloads
