@@ -42,6 +42,13 @@ class JournalConfig(BaseModel):
         "wake-ups cost more than small writes); larger ones and compactions go to the thread. 0: always "
         "the thread",
     )
+    spare_files: int = Field(
+        2,
+        ge=0,
+        description="journal files compaction no longer needs that are kept to be written over by the next "
+        "ones instead of deleted (O_DIRECT journals only): writing over a file's blocks ran ~30% faster than "
+        "appending new ones here, and deleting trims them (discard). Costs their disk space",
+    )
     writer: Literal["thread", "loop"] = Field(
         "thread",
         description="who writes: 'thread' = a writer thread, so the loop never waits for the device and "

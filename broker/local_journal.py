@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from tidal.broker.direct_memory import direct_buffer
-from tidal.broker.journal import _HEADER, Kind, _crc, parse_format
+from tidal.broker.journal import _HEADER, Kind, _crc, head_mask, parse_format
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 BLOCK = 4096
@@ -80,6 +80,7 @@ class JournalReader:
         self._fd = -1
         self._direct = False
         self._file_id: str | None = None
+        self._mask = 0  # the file's checksum mask (journal.file_mask)
         self._wants_direct = True
         self._memory = ReadMemory()
 
@@ -112,6 +113,7 @@ class JournalReader:
             self.close()  # replaced by a compaction since the broker answered
             raise JournalUnavailable(f"journal {path} is file {found}, not {file_id}")
         self._file_id = file_id
+        self._mask = head_mask(head)
 
     def _read(self, refs: list[list[int]]) -> list[memoryview]:
         order = sorted(range(len(refs)), key=lambda i: refs[i][0])
@@ -134,7 +136,11 @@ class JournalReader:
             at = offset - _HEADER.size - base
             kind, got, crc = _HEADER.unpack_from(buf, at)
             payload = buf[at + _HEADER.size : at + _HEADER.size + length]
-            if kind not in (Kind.GROUP, Kind.RESTORE) or got != length or _crc(kind, payload) != crc:
+            if (
+                kind not in (Kind.GROUP, Kind.RESTORE)
+                or got != length
+                or _crc(kind, payload) ^ self._mask != crc
+            ):
                 raise JournalUnavailable(
                     f"journal {self._path}: no group record of {length} bytes at {offset}"
                 )

@@ -49,6 +49,7 @@ def build_state(config) -> BrokerState:
         background=cfg.journal.writer == "thread",
         deferred=cfg.journal.writer == "loop",
         inline_bytes=cfg.journal.inline_bytes,
+        spare_files=cfg.journal.spare_files,
     )
     state = BrokerState(cfg, source, journal)
     records = journal.open()

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from tidal.broker.journal import FORMAT_RECORD_BYTES, Journal, JournalFormatError, Kind, read_records
+from tidal.broker.journal import FORMAT_RECORD_BYTES, Journal, JournalFormatError, Kind, _record, read_records
 
 FORMAT_BYTES = FORMAT_RECORD_BYTES  # the FORMAT record every journal starts with
 
@@ -91,13 +91,13 @@ def test_rewrite_replaces_the_log_and_appends_go_to_the_new_file(tmp_path):
     assert j.path.stat().st_size == FORMAT_BYTES + sum(9 + n for n in (4, 2, 5))
 
 
+def _old_log(records: list[tuple[Kind, bytes]]) -> bytes:
+    """A log as an earlier format wrote it: records with plain (unmasked) checksums."""
+    return b"".join(bytes(part) for kind, payload in records for part in _record(kind, payload))
+
+
 def test_a_journal_of_another_format_is_refused_saying_what_to_do(tmp_path):
-    j = Journal(tmp_path, fsync="never")
-    j.open()
-    j.append(Kind.VERSION, b"v")
-    j.close()
-    data = j.path.read_bytes()
-    j.path.write_bytes(data[FORMAT_BYTES:])  # format 1 had no FORMAT record
+    (tmp_path / "journal.log").write_bytes(_old_log([(Kind.VERSION, b"v")]))  # format 1: no FORMAT record
     with pytest.raises(
         JournalFormatError, match="format 1, this broker reads formats 2, 3.*move the journal"
     ):
@@ -233,25 +233,18 @@ def test_compaction_refers_to_live_groups_where_they_lie_and_keeps_only_the_file
         Journal(tmp_path).open()
 
 
-def test_a_format_2_journal_still_opens(tmp_path):
-    from tidal.broker.journal import format_payload
-
+def test_a_format_2_journal_still_opens_and_takes_appends(tmp_path):
+    (tmp_path / "journal.log").write_bytes(
+        _old_log([(Kind.FORMAT, b"2 0123456789abcdef"), (Kind.VERSION, b"v")])
+    )
     j = Journal(tmp_path)
-    j.open()
-    j.append(Kind.VERSION, b"v")
+    assert [(k, bytes(p)) for k, p in j.open()] == [(Kind.VERSION, b"v")]
+    j.append(Kind.VERSION, b"w")  # in the file's own format
     j.close()
-    data = bytearray(j.path.read_bytes())
-    header = FORMAT_BYTES - len(format_payload(j.file_id))
-    assert data[header : header + 1] == b"3"
-    data[header : header + 1] = b"2"
-    import struct
-    import zlib
-
-    kind, length, _ = struct.unpack_from("<BII", data, 0)
-    payload = bytes(data[9 : 9 + length])
-    struct.pack_into("<BII", data, 0, kind, length, zlib.crc32(payload, zlib.crc32(bytes((kind,)))))
-    j.path.write_bytes(bytes(data))
-    assert [(k, bytes(p)) for k, p in Journal(tmp_path).open()] == [(Kind.VERSION, b"v")]
+    assert [(k, bytes(p)) for k, p in Journal(tmp_path).open()] == [
+        (Kind.VERSION, b"v"),
+        (Kind.VERSION, b"w"),
+    ]
 
 
 @pytest.mark.parametrize("background", [False, True])
@@ -270,3 +263,50 @@ def test_records_larger_than_the_staging_buffers_are_written_whole_and_in_order(
     j.flush()
     j.close()
     assert [bytes(p) for _, p in Journal(tmp_path).open()] == payloads
+
+
+def test_a_reused_file_never_yields_what_it_held_before(tmp_path):
+    from tidal.broker.journal import _HEADER
+
+    # A file's earlier life: records that each start on a 4 KiB boundary, every one intact.
+    earlier = Journal(tmp_path / "earlier", fsync="never")
+    earlier.open()
+    earlier.append(Kind.VERSION, b"f" * (4096 - FORMAT_BYTES - _HEADER.size))
+    for i in range(8):
+        earlier.append(Kind.CONSUMED, bytes([i]) * (4096 - _HEADER.size))
+    earlier.close()
+    (tmp_path / "journal").mkdir()
+    (tmp_path / "earlier" / "journal.log").rename(tmp_path / "journal" / "spare.old")
+
+    j = Journal(tmp_path / "journal", fsync="never", spare_files=1)
+    j.open()
+    # Written over the spare, the new file ends exactly where one of the earlier records begins.
+    snapshot = b"s" * (4096 - FORMAT_BYTES - _HEADER.size)
+    j.compact([(Kind.SNAPSHOT, snapshot)])
+    assert j.spares_used == 1 and j.path.stat().st_size > 4096  # written over, not truncated
+    assert [(k, bytes(p)) for k, p in Journal(tmp_path / "journal").open()] == [(Kind.SNAPSHOT, snapshot)]
+
+
+def test_files_nothing_refers_to_are_kept_as_spares_up_to_the_limit_and_written_over(tmp_path):
+    j = Journal(tmp_path, fsync="never", spare_files=2)
+    j.open()
+    for i in range(6):
+        j.append(Kind.GROUP, os.urandom(50_000))
+        j.compact([(Kind.SNAPSHOT, b"snap%d" % i)])
+    # each compaction from the second on writes over the file the one before let go of
+    assert len(list(tmp_path.glob("spare.*"))) == 1 and not list(tmp_path.glob("journal.*.log"))
+    assert j.spares_used == 5
+    j.append(Kind.VERSION, b"after")
+    j.close()
+    assert [(k, bytes(p)) for k, p in Journal(tmp_path).open()] == [
+        (Kind.SNAPSHOT, b"snap5"),
+        (Kind.VERSION, b"after"),
+    ]
+    none = Journal(tmp_path / "none", fsync="never", spare_files=0)
+    none.open()
+    none.append(Kind.GROUP, b"g" * 5000)
+    none.compact([(Kind.SNAPSHOT, b"snap")])
+    none.close()
+    assert not list((tmp_path / "none").glob("spare.*")) and not list(
+        (tmp_path / "none").glob("journal.*.log")
+    )
