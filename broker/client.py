@@ -251,6 +251,8 @@ class AsyncBrokerClient:
             self._ring = SubmitRing(offer)
         except SubmitMemoryUnavailable as exc:
             log.info("submitting over the wire: %s", exc)
+            return
+        log.info("submitting through %d MiB of memory shared with the broker", self._ring.capacity >> 20)
 
     def _drop_ring(self) -> None:
         if self._ring is not None:
