@@ -24,7 +24,7 @@ idle cores of its own and the disk's bandwidth in use). Ray is optional (``make 
 folders (the journals: GBs at 32K tokens) are removed also when a run fails.
 
     .venv/bin/python benchmarks/broker_throughput.py --out runs/bench/broker_throughput.json
-    .venv/bin/python benchmarks/broker_throughput.py --sizes 1024 --seconds 1 --repeats 1   # quick look
+    .venv/bin/python benchmarks/broker_throughput.py --sizes 1024 --seconds 2 --repeats 1   # quick look
 """
 
 from __future__ import annotations
@@ -307,7 +307,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 8192, 32768], help="tokens per sample")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--seconds", type=float, default=2.0, help="approximate length of one run")
+    ap.add_argument(
+        "--seconds",
+        type=float,
+        default=12.0,
+        help="nominal length of one run: its sample count follows a rough rate guess per method and size "
+        "(a broker run at 32K tokens moves ~22k samples at 12, ~4 s now). The broker's journal reaches its "
+        "steady state (spare files that compactions write over) after two or three compactions, which "
+        "shorter runs at 32K tokens end before (docs/protocol.md, Journal)",
+    )
     ap.add_argument("--group-size", type=int, default=8, help="samples per group through the broker")
     ap.add_argument("--per-lease", type=int, default=4, help="groups a producer leases and submits at once")
     ap.add_argument("--in-flight", type=int, default=4, help="submissions in flight per broker producer")
