@@ -23,6 +23,7 @@ interval); ``never`` leaves it to the OS.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -374,6 +375,21 @@ class Journal:
     @property
     def bytes_written(self) -> int:
         return self._writer.size if self._writer else 0
+
+    def disk(self) -> dict[str, int]:
+        """What the journal holds on disk: earlier files kept for their live groups, spares, and the bytes
+        of every file in its directory (spares keep what they held before)."""
+        kept, spares = list(self.dir.glob("journal.*.log")), list(self.dir.glob("spare.*"))
+        total = 0
+        for path in (self.path, *kept, *spares):
+            with contextlib.suppress(OSError):  # deleted or renamed meanwhile by a compaction
+                total += path.stat().st_size
+        return {
+            "files_kept": len(kept),
+            "spare_files": len(spares),
+            "spares_used": self.spares_used,
+            "dir_bytes": total,
+        }
 
     def open(self) -> list[tuple[Kind, memoryview]]:
         """Read the existing log (truncating a torn tail) and open it for appending. REF records come back

@@ -40,6 +40,10 @@ class BrokerCollector(Collector):
             "nodes_alive": ("registered nodes heard from recently", s["nodes_alive"]),
             "batches_consumed": ("last batch the trainer reported consumed", s["batches"]["consumed"]),
             "journal_bytes": ("journal size in bytes", s["journal"]["bytes"]),
+            "journal_dir_bytes": (
+                "bytes of every file in the journal's directory (earlier files kept, spares)",
+                s["journal"].get("dir_bytes", 0),
+            ),
             "samples_per_second": (
                 "accepted samples per second (sliding window)",
                 s["throughput"]["samples_per_s"],

@@ -587,5 +587,6 @@ class BrokerState:
             "journal": {
                 "path": str(self.journal.path) if self.journal else None,
                 "bytes": self.journal.bytes_written if self.journal else 0,
+                **(self.journal.disk() if self.journal else {}),
             },
         }

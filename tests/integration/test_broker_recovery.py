@@ -220,6 +220,8 @@ def test_compaction_while_serving_answers_every_request_and_survives_a_kill(tmp_
             ):
                 time.sleep(0.01)
             assert len(kept) == 1, "only the file holding the live groups is kept"
+            disk = trainer.stats()["journal"]
+            assert disk["files_kept"] == 1 and disk["dir_bytes"] >= disk["bytes"]
         kill_tree(proc, signal.SIGKILL)
         proc.wait()
         proc, address = start_broker(tmp_path, **settings)
