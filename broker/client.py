@@ -472,6 +472,12 @@ class BrokerClient:
         self._ids = itertools.count(1)
         self._registration: dict[str, Any] | None = None
         self._buffers = _BufferPool()
+        # get_batch asks for the next batch before it copies and decodes the one it got, so the broker's
+        # reply time overlaps that work: (after, num_groups, request id) of the request sent ahead, and
+        # its reply when it came while another call waited
+        self._ahead: tuple[int, int | None, dict[str, Any], int] | None = None
+        self._stash: dict[int, tuple[str, dict[str, Any], list[Any]]] = {}
+        self.batches_asked_ahead = 0  # batches whose request was sent ahead and used
 
     def _call(
         self, type_: str, body: dict[str, Any], frames=(), timeout: float | None = -1.0, group_ids=None
@@ -507,6 +513,17 @@ class BrokerClient:
             )
         except zmq.Again:
             raise BrokerTimeout(_timeout_msg(type_, self.address, timeout)) from None
+        return self._await(type_, rid, timeout, unacked)
+
+    def _await(
+        self, type_: str, rid: int, timeout: float | None, unacked: _Unacked | None = None
+    ) -> tuple[dict[str, Any], list[Any]]:
+        """The reply to request ``rid`` (or the ack that covers it); others are skipped, except the reply
+        to a batch request sent ahead, which is kept for the get_batch that will want it."""
+        stashed = self._stash.pop(rid, None)
+        if stashed is not None:
+            _raise_for(stashed[0], stashed[1], type_)
+            return stashed[1], stashed[2]
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
@@ -518,12 +535,14 @@ class BrokerClient:
             except Exception:
                 continue
             if rtype == "ack":
-                done = unacked.acked(rbody)
+                done = unacked.acked(rbody) if unacked is not None else None
                 if done:
                     return done[0][1], []
             elif got == rid:
                 _raise_for(rtype, rbody, type_)
                 return rbody, reply[1:]
+            elif self._ahead is not None and got == self._ahead[3]:
+                self._stash = {got: (rtype, rbody, reply[1:])}
 
     def _send_only(self, type_: str, body: dict[str, Any]) -> None:
         """Send a request whose reply nobody waits for (the next call's loop skips it)."""
@@ -585,19 +604,43 @@ class BrokerClient:
         while True:
             wait_s = _poll_s(deadline)
             request = {"after": after, "num_groups": num_groups, "timeout_s": wait_s}
+            ahead, self._ahead = self._ahead, None
             try:
-                body, frames = self._call(
-                    "get_batch", {**request, **self._local.request_field()}, timeout=wait_s + self.timeout_s
-                )
+                if ahead is not None and ahead[:3] == (after, num_groups, self._local.request_field()):
+                    body, frames = self._await("get_batch", ahead[3], wait_s + self.timeout_s)
+                    self.batches_asked_ahead += body.get("batch") is not None
+                else:
+                    self._stash.clear()  # a reply to a request ahead that nobody will ask for
+                    body, frames = self._call(
+                        "get_batch",
+                        {**request, **self._local.request_field()},
+                        timeout=wait_s + self.timeout_s,
+                    )
             except BrokerTimeout:
                 if deadline is not None:
                     raise
                 continue  # waiting forever: the broker may be restarting; ask again
+            if body.get("batch") is not None:
+                self._ask_ahead(after + 1, num_groups)
             frames = self._local.frames(body, frames)
             if frames is None:  # the batch is cut: asked again, it comes at once, on the wire
                 continue
             if body.get("batch") or body.get("finished") or (deadline and time.monotonic() >= deadline):
                 return _batch(body, frames)
+
+    def _ask_ahead(self, after: int, num_groups: int | None) -> None:
+        """Send the request for batch ``after + 1`` now; the get_batch that wants it takes its reply."""
+        body = {"after": after, "num_groups": num_groups, "timeout_s": GET_BATCH_SLICE_S}
+        field = self._local.request_field()
+        self._sock.sndtimeo = max(1, int(self.timeout_s * 1000))
+        rid = next(self._ids)
+        try:
+            self._sock.send_multipart(
+                [proto.encode_envelope("get_batch", rid, {**body, **field})], copy=False
+            )
+        except zmq.Again:
+            return  # asked for when wanted
+        self._ahead = (after, num_groups, field, rid)
 
     def report_consumed(self, batch_id: int, wait: bool = True) -> None:
         """The trainer trained through ``batch_id`` durably (checkpointed); a restart resumes after it.

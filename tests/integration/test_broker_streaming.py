@@ -202,3 +202,30 @@ def test_a_broker_with_a_huge_page_heap_starts_itself_again_with_glibcs_tunables
             assert len(local.get_batch(-1).groups) == 2 and local._local.batches_copied == 1
     finally:
         stop(proc)
+
+
+def test_the_trainer_client_asks_for_the_next_batch_before_it_decodes_the_one_it_got(tmp_path):
+    proc, address = start_broker(tmp_path, 32, group_size=2, batch_groups=2, max_staleness=100)
+    try:
+        with BrokerClient(address, timeout_s=20) as node, BrokerClient(address, timeout_s=20) as trainer:
+            node.register("rollout", "n")
+            sent = {}
+            for _ in range(3):
+                lease = node.lease(2)
+                groups = [fake_group(pg, response_len=100) for pg in lease.groups]
+                node.submit(lease.lease_id, groups)
+                sent.update((g.group_id, g) for g in groups)
+            trainer.register("trainer", "t")
+            first = trainer.get_batch(-1)
+            # another call while the request ahead is out: its reply is kept for the get_batch below
+            assert trainer.stats()["batches"]["next"] == 2
+            second = trainer.get_batch(0)
+            third = trainer.get_batch(1)
+            assert trainer.batches_asked_ahead == 2
+            assert [b.batch_id for b in (first, second, third)] == [0, 1, 2]
+            assert sorted(g.group_id for b in (first, second, third) for g in b.groups) == sorted(sent)
+            for batch in (first, second, third):
+                for g in batch.groups:
+                    assert _groups(type(batch)(0, [g], 0)) == _groups(type(batch)(0, [sent[g.group_id]], 0))
+    finally:
+        stop(proc)
