@@ -125,7 +125,7 @@ class _LocalFrames:
         held = batch.get("memory")
         if held is not None and self.memory is not None:
             try:
-                frames = self.memory.read(held["pid"], held["refs"])
+                frames = self.memory.read(held["pid"], held["refs"], held.get("rings"))
                 self.batches_copied += 1
                 return frames
             except MemoryUnavailable as exc:

@@ -31,12 +31,14 @@ import numpy as np
 
 from tidal.broker.journal import Kind, record_crc
 from tidal.broker.local_journal import ReadMemory
+from tidal.broker.submit_memory import SubmitMemoryUnavailable, open_ring
 
 log = logging.getLogger(__name__)
 
 _PR_SET_PTRACER = 0x59616D61  # prctl option (linux/prctl.h): Yama's exception for one tracer
 _PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
 IOV_MAX = 1024  # iovecs per process_vm_readv call (Linux's UIO_MAXIOV)
+RING_IDLE_READS = 64  # a ring mapping no batch read used this many reads in a row is unmapped
 
 
 class _IOVec(ctypes.Structure):
@@ -74,9 +76,9 @@ class MemoryUnavailable(Exception):
 class MemoryReader:
     def __init__(self) -> None:
         self._libc = _libc()
-        self._readv = self._libc.process_vm_readv
-        self._readv.restype = ctypes.c_ssize_t
-        self._readv.argtypes = [
+        self._readv_call = self._libc.process_vm_readv
+        self._readv_call.restype = ctypes.c_ssize_t
+        self._readv_call.argtypes = [
             ctypes.c_int,
             ctypes.POINTER(_IOVec),
             ctypes.c_ulong,
@@ -85,29 +87,72 @@ class MemoryReader:
             ctypes.c_ulong,
         ]
         self._memory = ReadMemory()
+        self._reads = 0
+        self.ring_frames = 0  # frames copied from this reader's mapping of a node's ring
+        self._rings: dict[tuple[Any, ...], list[Any]] = {}  # (pid, fd, nonce) -> [mapping or None, last read]
 
-    def read(self, pid: int, refs: list[list[int]]) -> list[memoryview]:
-        """The frames at ``refs`` ([address, length, crc] each) of process ``pid``, copied into this
-        process and checked, as read-only views (in the order of ``refs``)."""
-        total = sum(length for _, length, _ in refs)
+    def read(
+        self, pid: int, refs: list[list[int]], rings: list[dict[str, Any]] | None = None
+    ) -> list[memoryview]:
+        """The frames at ``refs`` of process ``pid``, copied into this process and checked, as read-only
+        views (in the order of ``refs``). A ref is [address, length, crc], and for a frame in a rollout
+        node's shared ring also [..., ring, offset] (``rings[ring]``: {fd, bytes, nonce}): such frames are
+        copied from this reader's own mapping of the ring, ~3x faster than ``process_vm_readv`` reads
+        the ring's small shared pages; where the ring cannot be mapped, they are read as the others."""
+        total = sum(ref[1] for ref in refs)
         memory = self._memory.take(total)
-        out, at = [], 0
+        base = np.frombuffer(memory, np.uint8)
+        self._reads += 1
+        out, at, run = [], 0, []  # run: consecutive refs read with one process_vm_readv
+        for ref in refs:
+            length = ref[1]
+            ring = self._ring(pid, rings[ref[3]]) if len(ref) == 5 and rings else None
+            if ring is None:
+                run.append(ref)
+            else:
+                self._readv(pid, run, base, at - sum(r[1] for r in run))
+                run = []
+                np.copyto(base[at : at + length], ring[ref[4] : ref[4] + length])
+                self.ring_frames += 1
+            out.append(memory[at : at + length])
+            at += length
+        self._readv(pid, run, base, at - sum(r[1] for r in run))
+        for view, ref in zip(out, refs, strict=True):
+            if group_crc(view) != ref[2]:
+                raise MemoryUnavailable(
+                    f"the broker's memory (pid {pid}) no longer holds the frame it named (checksum differs)"
+                )
+        self._forget_idle_rings()
+        return [view.toreadonly() for view in out]
+
+    def _readv(self, pid: int, refs: list[list[int]], base: np.ndarray, at: int) -> None:
+        """Copy ``refs`` (consecutive in the output) from process ``pid`` into ``base`` from ``at``."""
         for i in range(0, len(refs), IOV_MAX):
             chunk = refs[i : i + IOV_MAX]
-            size = sum(length for _, length, _ in chunk)
-            local = (_IOVec * 1)(_IOVec(np.frombuffer(memory, np.uint8).ctypes.data + at, size))
-            remote = (_IOVec * len(chunk))(*(_IOVec(address, length) for address, length, _ in chunk))
-            done = self._readv(pid, local, 1, remote, len(chunk), 0)
+            size = sum(ref[1] for ref in chunk)
+            local = (_IOVec * 1)(_IOVec(base.ctypes.data + at, size))
+            remote = (_IOVec * len(chunk))(*(_IOVec(ref[0], ref[1]) for ref in chunk))
+            done = self._readv_call(pid, local, 1, remote, len(chunk), 0)
             if done != size:
                 err = ctypes.get_errno()
                 reason = os.strerror(err) if done < 0 else f"{done} of {size} bytes"
                 raise MemoryUnavailable(f"reading the broker's memory (pid {pid}): {reason}")
-            for _, length, crc in chunk:
-                view = memory[at : at + length]
-                if group_crc(view) != crc:
-                    raise MemoryUnavailable(
-                        f"the broker's memory (pid {pid}) no longer holds the frame it named (checksum differs)"
-                    )
-                out.append(view.toreadonly())
-                at += length
-        return out
+            at += size
+
+    def _ring(self, pid: int, ring: dict[str, Any]) -> np.ndarray | None:
+        """This reader's mapping of a node's ring (made once, checked against its nonce), or None."""
+        key = (pid, ring.get("fd"), bytes(ring.get("nonce") or b""))
+        if key not in self._rings:
+            try:
+                self._rings[key] = [np.frombuffer(open_ring(pid, ring, writable=False), np.uint8), 0]
+            except SubmitMemoryUnavailable as exc:
+                log.info("copying ring frames through the broker's memory: %s", exc)
+                self._rings[key] = [None, 0]
+        entry = self._rings[key]
+        entry[1] = self._reads
+        return entry[0]
+
+    def _forget_idle_rings(self) -> None:
+        """Unmap rings no batch used lately (their node left: the mapping would keep its memory)."""
+        for key in [k for k, (_, used) in self._rings.items() if self._reads - used > RING_IDLE_READS]:
+            del self._rings[key]

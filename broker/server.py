@@ -472,7 +472,7 @@ class BrokerServer:
         if w.memory:
             # Where the frames lie in this process: the client copies them (local_memory) and the
             # journal's device only writes; the journal's refs above are its fallback.
-            body["batch"]["memory"] = {"pid": self.pid, "refs": self.state.memory_refs(batch)}
+            body["batch"]["memory"] = {"pid": self.pid, **self.state.memory_refs(batch)}
         if refs is not None or w.memory:
             self._send(w.peer, w.rid, "ok", body, durable=True)
             return

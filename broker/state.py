@@ -419,17 +419,29 @@ class BrokerState:
     def frames_of(self, batch: CutBatch) -> list[Any]:
         return [self.batch_store[g].frame for g in batch.group_ids]
 
-    def memory_refs(self, batch: CutBatch) -> list[list[int]]:
-        """Where the batch's group frames lie in this process: [[address, length, crc]] (see
-        local_memory); the frames stay held until the batch is reported consumed."""
-        refs = []
+    def memory_refs(self, batch: CutBatch) -> dict[str, Any]:
+        """Where the batch's group frames lie in this process: ``refs`` [[address, length, crc]] (see
+        local_memory), and for frames in a node's shared ring also [..., ring, offset]: the ring's index in
+        ``rings`` ({fd, bytes, nonce}) and the frame's offset in its file, which a reader may map itself.
+        The frames stay held until the batch is reported consumed."""
+        refs: list[list[int]] = []
+        rings: list[dict[str, Any]] = []
+        index: dict[int, int] = {}
         for g in batch.group_ids:
             s = self.batch_store[g]
             payload = s.frame.buffer if hasattr(s.frame, "buffer") else s.frame
             if s.crc is None:  # replayed after a restart or restored by compaction
                 s.crc = record_crc(Kind.GROUP, payload)
-            refs.append([frame_address(payload), len(payload), s.crc])
-        return refs
+            ref = [frame_address(payload), len(payload), s.crc]
+            where = s.frame.ring_location() if hasattr(s.frame, "ring_location") else None
+            if where is not None:
+                ring, offset = where
+                if ring["fd"] not in index:
+                    index[ring["fd"]] = len(rings)
+                    rings.append(ring)
+                ref += [index[ring["fd"]], offset]
+            refs.append(ref)
+        return {"refs": refs, "rings": rings}
 
     def journal_refs(self, batch: CutBatch) -> tuple[str, list[list[int]]] | None:
         """Where the batch's group frames lie in the current journal file: (file id, [[offset, length]]),

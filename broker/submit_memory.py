@@ -152,6 +152,15 @@ class ArenaSpan:
     def buffer(self) -> memoryview:
         return memoryview(self)
 
+    def ring_location(self) -> tuple[dict[str, Any], int] | None:
+        """(the ring as a reader on this host opens it, this frame's offset in its file); None once the
+        node left (its descriptor is closed: readers copy through this process's memory instead)."""
+        arena = self._arena
+        if arena.fd < 0:
+            return None
+        ring = {"fd": arena.fd, "bytes": arena.capacity, "nonce": arena.nonce}
+        return ring, HEADER_BYTES + self._entry[0] % arena.capacity
+
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown
             self._arena.let_go(self._entry)
@@ -162,28 +171,34 @@ class SubmitMemoryUnavailable(Exception):
     """The broker's ring could not be mapped; submit over the wire."""
 
 
+def open_ring(pid: int, ring: dict[str, Any], writable: bool) -> mmap.mmap:
+    """Map the ring the broker (process ``pid``) describes as ``{fd, bytes, nonce}``, checking it is that
+    ring; raises :class:`SubmitMemoryUnavailable` saying why not."""
+    try:
+        fd, capacity, nonce = int(ring["fd"]), int(ring["bytes"]), ring["nonce"]
+        path = f"/proc/{int(pid)}/fd/{fd}"
+        handle = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+    except (KeyError, TypeError, ValueError, OSError) as exc:
+        raise SubmitMemoryUnavailable(f"cannot open the broker's submit memory: {exc}") from None
+    try:
+        size = os.fstat(handle).st_size
+        if size != HEADER_BYTES + capacity:
+            raise SubmitMemoryUnavailable(f"{path} holds {size} bytes, the broker said {capacity}")
+        mm = mmap.mmap(handle, size, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+    finally:
+        os.close(handle)
+    if mm[: len(MAGIC)] != MAGIC or mm[NONCE_AT : NONCE_AT + NONCE_BYTES] != nonce:
+        mm.close()
+        raise SubmitMemoryUnavailable("the mapped memory is not the ring the broker offered (nonce differs)")
+    return mm
+
+
 class SubmitRing:
     """The node's side: maps the broker's ring and allocates spans for group frames."""
 
     def __init__(self, offer: dict[str, Any]):
-        try:
-            pid, fd, capacity, nonce = offer["pid"], offer["fd"], offer["bytes"], offer["nonce"]
-            path = f"/proc/{int(pid)}/fd/{int(fd)}"
-            handle = os.open(path, os.O_RDWR)
-        except (KeyError, TypeError, ValueError, OSError) as exc:
-            raise SubmitMemoryUnavailable(f"cannot open the broker's submit memory: {exc}") from None
-        try:
-            size = os.fstat(handle).st_size
-            if size != HEADER_BYTES + capacity:
-                raise SubmitMemoryUnavailable(f"{path} holds {size} bytes, the broker said {capacity}")
-            self.mm = mmap.mmap(handle, size)
-        finally:
-            os.close(handle)
-        if self.mm[: len(MAGIC)] != MAGIC or self.mm[NONCE_AT : NONCE_AT + NONCE_BYTES] != nonce:
-            raise SubmitMemoryUnavailable(
-                "the mapped memory is not the ring the broker offered (nonce differs)"
-            )
-        self.capacity = capacity
+        self.mm = open_ring(offer.get("pid", -1), offer, writable=True)
+        self.capacity = capacity = int(offer["bytes"])
         self.ring = np.frombuffer(self.mm, np.uint8, count=capacity, offset=HEADER_BYTES)
         self._tail = np.frombuffer(self.mm, np.int64, count=1, offset=TAIL_AT)
         self.head = 0

@@ -163,7 +163,9 @@ def test_a_client_on_the_brokers_host_copies_batches_from_its_memory_and_falls_b
             # Memory the broker no longer holds as it said (here: a checksum that cannot match) is
             # refused; the same reply's journal offsets serve the batch, and later ones come from there.
             real = local._local.memory.read
-            local._local.memory.read = lambda pid, refs: real(pid, [[a, n, crc ^ 1] for a, n, crc in refs])
+            local._local.memory.read = lambda pid, refs, rings: real(
+                pid, [[a, n, crc ^ 1, *rest] for a, n, crc, *rest in refs], rings
+            )
             second = local.get_batch(0)
             assert (local._local.batches_copied, local._local.batches_read) == (1, 1)
             assert local._local.memory is None

@@ -89,6 +89,8 @@ def test_groups_submitted_through_shared_memory_reach_the_trainer_bit_for_bit(tm
                 batch = trainer.get_batch(after, timeout_s=10)
                 got.update((g.group_id, g) for g in batch.groups)
             assert sorted(got) == sorted(sent)
+            if reads == "memory":  # copied from the trainer's own mapping of the node's ring
+                assert trainer._local.memory.ring_frames == 8
             for gid, group in got.items():
                 _same(group, sent[gid])
             stats = trainer.stats()

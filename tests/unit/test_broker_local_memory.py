@@ -3,10 +3,12 @@
 import multiprocessing as mp
 import os
 
+import numpy as np
 import pytest
 
 from tidal.broker.journal import Journal, Kind, read_records
 from tidal.broker.local_memory import MemoryReader, MemoryUnavailable, frame_address, group_crc
+from tidal.broker.submit_memory import SubmitArena, SubmitRing
 
 SIZES = (3, 4096, 70_000, 600_000, 3_000_000)
 
@@ -71,3 +73,27 @@ def test_the_checksum_is_the_one_the_groups_journal_record_carries(tmp_path):
     records, _ = read_records(memoryview(j.path.read_bytes()))
     # read_records stops at the first record whose CRC does not match: both are read back
     assert [(kind, bytes(p)) for kind, p in records[1:]] == [(Kind.GROUP, frame)] * 2
+
+
+def test_frames_in_a_nodes_ring_are_copied_from_the_readers_mapping_or_else_read_as_the_others():
+    arena = SubmitArena(1 << 20)
+    ring = SubmitRing(arena.offer(os.getpid()))
+    spans = []
+    for n in (1000, 70_000, 5):
+        start, memory = ring.alloc(n)
+        memory[:] = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+        spans.append(arena.spans([[start, n]], 1 << 30)[0])
+    refs = []
+    rings = []
+    for span in spans:
+        where, offset = span.ring_location()
+        rings = [where]
+        refs.append(
+            [np.frombuffer(span.buffer, np.uint8).ctypes.data, len(span), group_crc(span.buffer), 0, offset]
+        )
+    reader = MemoryReader()
+    got = reader.read(os.getpid(), refs, rings)
+    assert [bytes(g) for g in got] == [bytes(s.buffer) for s in spans] and reader.ring_frames == 3
+    other = MemoryReader()  # a ring it cannot map (not the one named): read through the process instead
+    got = other.read(os.getpid(), refs, [{**rings[0], "nonce": b"x" * 16}])
+    assert [bytes(g) for g in got] == [bytes(s.buffer) for s in spans] and other.ring_frames == 0
