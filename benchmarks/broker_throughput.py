@@ -170,6 +170,7 @@ class BrokerOptions:
     # may run arbitrarily far ahead of the consumer).
     max_staleness: int | None = BrokerConfig().max_staleness
     wait_reports: bool = False  # the consumer waits for each report_consumed / publish_version reply
+    ask_ahead: bool = False  # the consumer's client asks for the next batch before decoding (BrokerClient)
     extra: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)  # extra environment of the broker process
 
@@ -230,7 +231,11 @@ def run_broker(
         with (
             BrokerClient(address, timeout_s=120) as trainer,
             BrokerClient(
-                address, timeout_s=120, read_journal=opts.journal_reads, read_memory=opts.memory_reads
+                address,
+                timeout_s=120,
+                read_journal=opts.journal_reads,
+                read_memory=opts.memory_reads,
+                ask_ahead=opts.ask_ahead,
             ) as fetcher,
             ThreadPoolExecutor(max_workers=1) as pool,
         ):
@@ -374,6 +379,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the consumer waits for each report_consumed / publish_version reply (a durable round trip "
         "per batch) instead of sending them without waiting",
     )
+    ap.add_argument(
+        "--ask-ahead",
+        action="store_true",
+        help="the consumer's client asks for the next batch before it copies and decodes the one it got "
+        "(BrokerClient(ask_ahead=True); off in the trainer)",
+    )
     ap.add_argument("--ray-batch", type=int, default=64, help="samples per put/get call for ray_queue")
     ap.add_argument("--no-ray", action="store_true", help="skip the Ray baselines")
     ap.add_argument(
@@ -424,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         submit_memory=not args.no_submit_memory,
         max_staleness=None if args.open_admission else args.max_staleness,
         wait_reports=args.wait_reports,
+        ask_ahead=args.ask_ahead,
         extra=extra,
         env=dict(item.split("=", 1) for item in args.broker_env),
     )

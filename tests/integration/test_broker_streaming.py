@@ -206,10 +206,13 @@ def test_a_broker_with_a_huge_page_heap_starts_itself_again_with_glibcs_tunables
         stop(proc)
 
 
-def test_the_trainer_client_asks_for_the_next_batch_before_it_decodes_the_one_it_got(tmp_path):
+def test_a_client_asking_ahead_requests_the_next_batch_before_it_decodes_the_one_it_got(tmp_path):
     proc, address = start_broker(tmp_path, 32, group_size=2, batch_groups=2, max_staleness=100)
     try:
-        with BrokerClient(address, timeout_s=20) as node, BrokerClient(address, timeout_s=20) as trainer:
+        with (
+            BrokerClient(address, timeout_s=20) as node,
+            BrokerClient(address, timeout_s=20, ask_ahead=True) as trainer,
+        ):
             node.register("rollout", "n")
             sent = {}
             for _ in range(3):
