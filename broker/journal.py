@@ -27,280 +27,41 @@ import contextlib
 import ctypes
 import logging
 import os
-import struct
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from isal.isal_zlib import crc32  # zlib's CRC-32, same values, with ISA-L's carry-less multiply (~10x)
-
-from tidal.broker.direct_memory import direct_buffer
+from tidal.broker.journal_records import (
+    _HEADER,
+    FORMAT_RECORD_BYTES,
+    FORMAT_VERSION,
+    READABLE_FORMATS,
+    JournalFormatError,
+    Kind,
+    _record,
+    file_mask,
+    format_payload,
+    new_file_id,
+    parse_format,
+    parse_ref,
+    read_records_at,
+    read_referred,
+    segment_path,
+)
+from tidal.broker.journal_writers import _BufferedWriter, _DirectWriter, _open_writer
 
 log = logging.getLogger(__name__)
 
-_HEADER = struct.Struct("<BII")
 _PR_SET_NAME = 15  # prctl option (linux/prctl.h)
-# Copies of at least this many bytes into the staging buffer go through numpy, which releases the GIL.
-COPY_WITHOUT_GIL = 64 << 10
 # Files compaction no longer refers to are deleted this many bytes at a time, pausing between slices
 # (at most 4 GB/s: more than the device writes, so deletion keeps up with any run).
 DELETE_SLICE = 8 << 20
 # The writer thread reports records durable every this many bytes of a pass (see _write_pass).
 DURABLE_SLICE = 8 << 20
 DELETE_PAUSE_S = 0.002
-
-
-class Kind(IntEnum):
-    GROUP = 1  # an accepted group: payload is the group frame as it came
-    TAKE = 2  # prompts taken from the source, and the cursor after it
-    DROP = 3  # a group resolved without training: filtered (never accepted) or stale (accepted, dropped)
-    BATCH = 4  # a cut batch: id, group ids, policy version
-    CONSUMED = 5  # the trainer trained through this batch durably
-    VERSION = 6  # the trainer's policy version
-    SNAPSHOT = 7  # compacted state; followed by RESTORE records of the groups it still needs
-    RESTORE = 8  # a group frame kept by compaction (bookkeeping lives in the SNAPSHOT)
-    FORMAT = 9  # the first record: the journal format number
-    REF = 10  # a group kept by compaction where it lies: file id, payload offset and length (format 3)
-
-
-# 2: group frames with per-sample columns in the data region (protocol v2). Format 1 had no FORMAT record.
-# 3: compaction refers to live groups in earlier files (REF) instead of copying them (RESTORE); a format-2
-# log reads the same way.
-FORMAT_VERSION = 3
-READABLE_FORMATS = ("2", "3")
-_REF = struct.Struct("<16sQI")
-# The FORMAT payload is "<format> <file id>": the file id (16 hex digits, new for every file a compaction
-# writes) lets a reader on this host that was given offsets check it opened the file they refer to.
-FILE_ID_CHARS = 16
-FORMAT_RECORD_BYTES = _HEADER.size + len(str(FORMAT_VERSION)) + 1 + FILE_ID_CHARS
-
-
-def new_file_id() -> str:
-    return os.urandom(FILE_ID_CHARS // 2).hex()
-
-
-def format_payload(file_id: str) -> bytes:
-    return f"{FORMAT_VERSION} {file_id}".encode()
-
-
-def parse_format(payload: bytes | memoryview) -> tuple[str, str | None]:
-    """(format number, file id or None) of a FORMAT record's payload."""
-    text = bytes(payload).decode(errors="replace")
-    number, _, file_id = text.partition(" ")
-    return number, file_id or None
-
-
-class JournalFormatError(RuntimeError):
-    """The log was written in a format this broker does not read."""
-
-
-class JournalCorrupt(RuntimeError):
-    """A record the log refers to is missing or does not match its checksum."""
-
-
-def ref_payload(file_id: str, offset: int, length: int) -> bytes:
-    """A REF record's payload: the group record whose payload lies at ``offset`` of file ``file_id``."""
-    return _REF.pack(file_id.encode(), offset, length)
-
-
-def parse_ref(payload: bytes | memoryview) -> tuple[str, int, int]:
-    file_id, offset, length = _REF.unpack(payload)
-    return file_id.decode(), offset, length
-
-
-def segment_path(directory: Path, file_id: str) -> Path:
-    """Where an earlier journal file that compaction still refers to is kept."""
-    return directory / f"journal.{file_id}.log"
-
-
-def _crc(kind: int, payload: bytes | memoryview) -> int:
-    return crc32(payload, crc32(bytes((kind,))))
-
-
-def record_crc(kind: Kind, payload: bytes | memoryview) -> int:
-    """The checksum a record of ``kind`` with this payload carries (callers that need it too compute it
-    once and pass it to ``Journal.append``)."""
-    return _crc(kind, payload)
-
-
-def file_mask(number: str, file_id: str | None) -> int:
-    """What a file of format ``number`` XORs into the checksum field of every record after FORMAT. From
-    format 3 it follows from the file id, so that the records a reused file held before (another id)
-    never check out as this file's: a file's blocks are written over, not freed (see ``spare_files``)."""
-    return crc32(f"tidal journal {file_id}".encode()) if number not in ("1", "2") and file_id else 0
-
-
-def _record(
-    kind: Kind, payload: bytes | memoryview, crc: int | None = None, mask: int = 0
-) -> list[bytes | memoryview]:
-    return [_HEADER.pack(kind, len(payload), (_crc(kind, payload) if crc is None else crc) ^ mask), payload]
-
-
-def head_mask(data: bytes | memoryview) -> int:
-    """The checksum mask of the file that starts with ``data`` (its FORMAT record)."""
-    if len(data) < _HEADER.size:
-        return 0
-    kind, length, _ = _HEADER.unpack_from(data, 0)
-    if kind != Kind.FORMAT or _HEADER.size + length > len(data):
-        return 0
-    return file_mask(*parse_format(data[_HEADER.size : _HEADER.size + length]))
-
-
-def read_records(data: memoryview) -> tuple[list[tuple[Kind, memoryview]], int]:
-    """Parse ``data``; returns the good records (payloads are views into ``data``) and the good length."""
-    records, good = read_records_at(data)
-    return [(kind, payload) for kind, payload, _ in records], good
-
-
-def read_records_at(data: memoryview) -> tuple[list[tuple[Kind, memoryview, int]], int]:
-    """:func:`read_records` with each payload's offset in ``data``."""
-    out: list[tuple[Kind, memoryview, int]] = []
-    pos = 0
-    mask = 0  # the FORMAT record has none; the records after it have its file's
-    while pos + _HEADER.size <= len(data):
-        kind, length, crc = _HEADER.unpack_from(data, pos)
-        end = pos + _HEADER.size + length
-        if end > len(data) or kind not in Kind._value2member_map_:
-            break
-        payload = data[pos + _HEADER.size : end]
-        if _crc(kind, payload) ^ (mask if pos else 0) != crc:
-            break
-        if pos == 0:
-            mask = head_mask(data[:end])
-        out.append((Kind(kind), payload, pos + _HEADER.size))
-        pos = end
-    return out, pos
-
-
-def read_referred(directory: Path, refs: list[tuple[str, int, int]]) -> list[memoryview]:
-    """The group payloads REF records name, read from the earlier files and checked (kind, length, CRC)."""
-    out: list[memoryview] = []
-    fds: dict[str, int] = {}
-    masks: dict[str, int] = {}
-    try:
-        for file_id, offset, length in refs:
-            path = segment_path(directory, file_id)
-            if file_id not in fds:
-                try:
-                    fds[file_id] = os.open(path, os.O_RDONLY)
-                    masks[file_id] = head_mask(os.pread(fds[file_id], 4096, 0))
-                except OSError as exc:
-                    raise JournalCorrupt(
-                        f"journal file {path}, which the log refers to, cannot be read: {exc}"
-                    ) from None
-            raw = os.pread(fds[file_id], _HEADER.size + length, offset - _HEADER.size)
-            kind, got, crc = _HEADER.unpack_from(raw) if len(raw) >= _HEADER.size else (0, -1, 0)
-            payload = memoryview(raw)[_HEADER.size :]
-            intact = _crc(kind, payload) ^ masks[file_id] == crc
-            if kind not in (Kind.GROUP, Kind.RESTORE) or got != length or not intact:
-                raise JournalCorrupt(
-                    f"journal file {path} holds no intact group record of {length} bytes at {offset}, which the "
-                    "log refers to"
-                )
-            out.append(payload)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    return out
-
-
-class _BufferedWriter:
-    """Appends through the page cache."""
-
-    direct = False
-
-    def __init__(self, path: Path, size: int):
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self.size = size
-
-    def write(self, parts: list[bytes | memoryview]) -> None:
-        _write_all(self.fd, parts)
-        self.size += sum(len(p) for p in parts)
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
-class _DirectWriter:
-    """Appends with O_DIRECT: records are copied into a page-aligned staging buffer and written through
-    to the device in whole blocks; the last partial block stays staged and is rewritten with the next
-    record (the file ends in zero padding, which the reader treats as the end). Page-cache writes can be
-    several times slower than the device (they were here: 0.13 GB/s against 1.2 GB/s direct), and a
-    journal is written once and read back only after a crash. The staging buffer has a fixed size
-    (``STAGING``): a larger write goes through it in pieces, so its pages are faulted in once."""
-
-    direct = True
-    BLOCK = 4096
-    STAGING = 8 << 20
-
-    def __init__(self, path: Path, size: int):
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
-        self.base = size // self.BLOCK * self.BLOCK  # file offset of the staging buffer's first byte
-        # O_DIRECT pins these pages on every write: huge pages where the kernel gives them (direct_memory)
-        self.array = direct_buffer(self.STAGING)
-        self.view = memoryview(self.array)
-        self.fill = size - self.base
-        if self.fill:
-            with open(path, "rb") as f:
-                f.seek(self.base)
-                self.view[: self.fill] = f.read(self.fill)
-        self.size = size
-
-    def write(self, parts: list[bytes | memoryview]) -> None:
-        staging, cap = self.array, len(self.view)
-        for p in parts:
-            p = memoryview(p).cast("B")
-            while len(p):
-                n = min(len(p), cap - self.fill)
-                if n >= COPY_WITHOUT_GIL:
-                    # numpy copies without the GIL; a memoryview copy holds it, and the event loop stalled
-                    # behind the journal thread's copies (ms per MB under load)
-                    np.copyto(staging[self.fill : self.fill + n], np.frombuffer(p, np.uint8, n))
-                else:
-                    self.view[self.fill : self.fill + n] = p[:n]
-                self.fill += n
-                p = p[n:]
-                if self.fill == cap:
-                    self._flush(whole_only=True)
-        self._flush(whole_only=False)
-        self.size = self.base + self.fill
-
-    def _flush(self, whole_only: bool) -> None:
-        """Write the staged blocks; the partial last block is padded with zeros and written too unless
-        ``whole_only``; either way it stays staged at the buffer's start."""
-        view, fill = self.view, self.fill
-        whole = fill // self.BLOCK * self.BLOCK
-        end = whole if whole_only else -(-fill // self.BLOCK) * self.BLOCK
-        view[fill:end] = bytes(end - fill)
-        done = 0
-        while done < end:
-            done += os.pwrite(self.fd, view[done:end], self.base + done)
-        view[: fill - whole] = view[whole:fill]
-        self.base += whole
-        self.fill = fill - whole
-
-    def close(self) -> None:
-        if os.fstat(self.fd).st_size <= -(-self.size // self.BLOCK) * self.BLOCK:
-            os.ftruncate(self.fd, self.size)  # drop the zero padding
-        # else a spare written over (Journal._spare_for): what it held before stays after the records,
-        # unread (its checksums do not match this file's mask); truncating would free the blocks
-        os.close(self.fd)
-        self.view.release()
-        self.array = None  # the last reference: the memory goes with it
-
-
-def _open_writer(path: Path, size: int, direct: bool) -> _BufferedWriter | _DirectWriter:
-    if direct:
-        try:
-            return _DirectWriter(path, size)
-        except OSError as exc:  # e.g. tmpfs refuses O_DIRECT
-            log.info("journal %s: O_DIRECT unavailable (%s); writing through the page cache", path, exc)
-    return _BufferedWriter(path, size)
 
 
 class Journal:
@@ -775,20 +536,6 @@ def _name_os_thread(name: str) -> None:
         libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
     except (OSError, AttributeError):
         pass
-
-
-def _write_all(fd: int, parts: list[bytes | memoryview]) -> None:
-    views = [memoryview(p).cast("B") for p in parts]
-    while views:
-        n = os.writev(fd, views)
-        rest = []
-        for v in views:
-            if n >= len(v):
-                n -= len(v)
-            else:
-                rest.append(v[n:])
-                n = 0
-        views = [v for v in rest if len(v)]
 
 
 def _inode(path: Path) -> tuple[int, int] | None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from tidal.broker.direct_memory import direct_buffer
-from tidal.broker.journal import _HEADER, Kind, _crc, head_mask, parse_format
+from tidal.broker.journal_records import _HEADER, Kind, _crc, head_mask, parse_format
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 BLOCK = 4096

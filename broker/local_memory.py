@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from tidal.broker.journal import Kind, record_crc
+from tidal.broker.journal_records import Kind, record_crc
 from tidal.broker.local_journal import ReadMemory
 from tidal.broker.submit_memory import SubmitMemoryUnavailable, open_ring
 

@@ -22,7 +22,8 @@ import msgpack
 from tidal.broker import staleness as st
 from tidal.broker.codec import inspect_group
 from tidal.broker.config import BrokerConfig
-from tidal.broker.journal import Journal, Kind, record_crc, ref_payload
+from tidal.broker.journal import Journal
+from tidal.broker.journal_records import Kind, record_crc, ref_payload
 from tidal.broker.local_memory import frame_address
 from tidal.broker.protocol import BAD_GROUP, BAD_REQUEST, LEASE_REJECTED, NOT_REGISTERED, ProtocolError
 from tidal.broker.source import PromptSource

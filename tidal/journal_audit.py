@@ -14,7 +14,7 @@ from pathlib import Path
 import msgpack
 
 from tidal.broker.codec import inspect_group
-from tidal.broker.journal import Kind, read_records
+from tidal.broker.journal_records import Kind, read_records
 
 
 @dataclass

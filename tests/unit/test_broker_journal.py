@@ -4,7 +4,8 @@ import os
 
 import pytest
 
-from tidal.broker.journal import FORMAT_RECORD_BYTES, Journal, JournalFormatError, Kind, _record, read_records
+from tidal.broker.journal import Journal
+from tidal.broker.journal_records import FORMAT_RECORD_BYTES, JournalFormatError, Kind, _record, read_records
 
 FORMAT_BYTES = FORMAT_RECORD_BYTES  # the FORMAT record every journal starts with
 
@@ -137,7 +138,7 @@ def test_background_compaction_takes_its_place_among_the_appends(tmp_path):
 
 @pytest.mark.parametrize("background", [False, True])
 def test_append_and_compact_say_where_each_payload_lies_and_in_which_file(tmp_path, background):
-    from tidal.broker.journal import FORMAT_VERSION, parse_format
+    from tidal.broker.journal_records import FORMAT_VERSION, parse_format
 
     j = Journal(tmp_path, fsync="never", background=background)
     j.open()
@@ -193,7 +194,7 @@ def test_background_mode_writes_small_commits_inline_and_large_ones_on_its_threa
 def test_compaction_refers_to_live_groups_where_they_lie_and_keeps_only_the_files_it_refers_to(
     tmp_path, background
 ):
-    from tidal.broker.journal import JournalCorrupt, ref_payload, segment_path
+    from tidal.broker.journal_records import JournalCorrupt, ref_payload, segment_path
 
     j = Journal(tmp_path, fsync="interval", fsync_interval_s=0.01, background=background)
     j.open()
@@ -249,7 +250,7 @@ def test_a_format_2_journal_still_opens_and_takes_appends(tmp_path):
 
 @pytest.mark.parametrize("background", [False, True])
 def test_records_larger_than_the_staging_buffers_are_written_whole_and_in_order(tmp_path, background):
-    from tidal.broker.journal import _DirectWriter
+    from tidal.broker.journal_writers import _DirectWriter
 
     j = Journal(tmp_path, fsync="interval", fsync_interval_s=0.01, background=background)
     j.open()
@@ -266,7 +267,7 @@ def test_records_larger_than_the_staging_buffers_are_written_whole_and_in_order(
 
 
 def test_a_reused_file_never_yields_what_it_held_before(tmp_path):
-    from tidal.broker.journal import _HEADER
+    from tidal.broker.journal_records import _HEADER
 
     # A file's earlier life: records that each start on a 4 KiB boundary, every one intact.
     earlier = Journal(tmp_path / "earlier", fsync="never")

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from tidal.broker.journal import Journal, Kind
+from tidal.broker.journal import Journal
+from tidal.broker.journal_records import Kind
 from tidal.broker.local_journal import JournalReader, JournalUnavailable, host_id
 
 

@@ -6,7 +6,8 @@ import os
 import numpy as np
 import pytest
 
-from tidal.broker.journal import Journal, Kind, read_records
+from tidal.broker.journal import Journal
+from tidal.broker.journal_records import Kind, read_records
 from tidal.broker.local_memory import MemoryReader, MemoryUnavailable, frame_address, group_crc
 from tidal.broker.submit_memory import SubmitArena, SubmitRing
 
