@@ -52,10 +52,6 @@ class BrokerTimeout(BrokerError):
     """No reply in time."""
 
 
-class _RingFull(Exception):
-    """The submit memory has no room for a group: the submit goes over the wire."""
-
-
 def _raise_for(type_: str, body: dict[str, Any], what: str) -> None:
     if type_ == "ok":
         return
@@ -321,7 +317,7 @@ class AsyncBrokerClient:
         :meth:`submit` returns. The broker acknowledges cumulatively, once the groups are journaled."""
         if self._ring is not None:
             async with self._span_order:
-                spans = self._encode_into_ring(groups)
+                spans = self._ring.encode(groups)
                 if spans is not None:
                     body = {"lease_id": lease_id, "groups": len(groups), "spans": spans}
                     rid, fut = await self._send(
@@ -340,27 +336,6 @@ class AsyncBrokerClient:
             await self._release_window(nbytes)  # a timed-out send may still go: its frames are not reused
             raise
         return asyncio.ensure_future(self._submitted(rid, fut, frames, nbytes))
-
-    def _encode_into_ring(self, groups: list[Group]) -> list[list[int]] | None:
-        """Each group's frame encoded into the submit memory: their [start, length] spans, or None (and
-        nothing allocated) when the ring has no room for all of them."""
-        ring = self._ring
-        mark, spans = ring.head, []
-
-        def alloc(nbytes: int):
-            got = ring.alloc(nbytes)
-            if got is None:
-                raise _RingFull
-            spans.append([got[0], nbytes])
-            return got[1]
-
-        try:
-            for g in groups:
-                encode_group(g, alloc)
-        except _RingFull:
-            ring.head = mark  # nothing was sent: the spans are free again
-            return None
-        return spans
 
     async def _submitted(self, rid: int, fut: asyncio.Future, frames: list, nbytes: int) -> dict:
         try:

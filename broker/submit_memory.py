@@ -32,7 +32,9 @@ from typing import Any
 
 import numpy as np
 
+from tidal.broker.codec import encode_group
 from tidal.broker.protocol import BAD_FRAME, ProtocolError
+from tidal.broker.types import Group
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +173,10 @@ class SubmitMemoryUnavailable(Exception):
     """The broker's ring could not be mapped; submit over the wire."""
 
 
+class _RingFull(Exception):
+    """The ring has no room for a group: that submit goes over the wire."""
+
+
 def open_ring(pid: int, ring: dict[str, Any], writable: bool) -> mmap.mmap:
     """Map the ring the broker (process ``pid``) describes as ``{fd, bytes, nonce}``, checking it is that
     ring; raises :class:`SubmitMemoryUnavailable` saying why not."""
@@ -217,6 +223,26 @@ class SubmitRing:
             return None
         self.head = start + size
         return start, self.ring[offset : offset + nbytes]
+
+    def encode(self, groups: list[Group]) -> list[list[int]] | None:
+        """Each group's frame encoded into the ring: their [start, length] spans, or None (and nothing
+        allocated) when the ring has no room for all of them."""
+        mark, spans = self.head, []
+
+        def alloc(nbytes: int) -> np.ndarray:
+            got = self.alloc(nbytes)
+            if got is None:
+                raise _RingFull
+            spans.append([got[0], nbytes])
+            return got[1]
+
+        try:
+            for g in groups:
+                encode_group(g, alloc)
+        except _RingFull:
+            self.head = mark  # nothing was sent: the spans are free again
+            return None
+        return spans
 
     def close(self) -> None:
         self.ring = self._tail = None  # type: ignore[assignment]
