@@ -86,16 +86,20 @@ _frames = hs.one_of(
     hs.lists(hs.binary(max_size=16), min_size=2, max_size=3),
 )
 
-LIVE: dict[str, bytes | str] = {}  # the fuzzing peer's real lease, so submissions reach the group decoder
+# The fuzzing peer's real leases. Submissions go to one, so that they reach the group decoder; releases go
+# to the other, because a mutated release that loses its group_ids releases its whole lease, and that must
+# not end the submit lease early (every later submit would be refused before its group is looked at).
+LIVE: dict[str, bytes | str] = {}
 
 
 def _valid_messages() -> list[list[bytes]]:
     lease_id, group = LIVE["lease_id"], LIVE["group"]
+    release = {"lease_id": LIVE["release_lease_id"], "group_ids": [LIVE["release_group_id"]]}
     return [
         [proto.encode_envelope("submit", 7, {"lease_id": lease_id, "groups": 1}), group],
         [proto.encode_envelope("lease", 8, {"max_groups": 1})],
         [proto.encode_envelope("heartbeat", 9)],
-        [proto.encode_envelope("release", 10, {"lease_id": lease_id, "group_ids": ["0:1"]})],
+        [proto.encode_envelope("release", 10, release)],
         [proto.encode_envelope("get_batch", 11, {"after": -1, "timeout_s": 0})],
     ]
 
@@ -148,12 +152,20 @@ def fuzz_socket(broker):
     sock.connect(broker)
     sock.send_multipart([proto.encode_envelope("register", 1, {"role": "rollout", "name": "fuzzer"})])
     sock.send_multipart([proto.encode_envelope("lease", 2, {"max_groups": 4})])
-    assert sock.poll(10_000)
-    sock.recv_multipart()
-    assert sock.poll(10_000)
-    body = proto.decode_reply(sock.recv_multipart()[0])[2]
-    pg = lease_from_wire(body["lease"]).groups[0]
-    LIVE.update(lease_id=body["lease"]["lease_id"], group=bytes(encode_group(fake_group(pg))))
+    sock.send_multipart([proto.encode_envelope("lease", 3, {"max_groups": 4})])
+    replies = {}
+    for _ in range(3):
+        assert sock.poll(10_000)
+        rid, _type, body = proto.decode_reply(sock.recv_multipart()[0])
+        replies[rid] = body
+    submit_lease, release_lease = (lease_from_wire(replies[rid]["lease"]) for rid in (2, 3))
+    pg = submit_lease.groups[0]
+    LIVE.update(
+        lease_id=submit_lease.lease_id,
+        group=bytes(encode_group(fake_group(pg))),
+        release_lease_id=release_lease.lease_id,
+        release_group_id=release_lease.groups[0].group_id,
+    )
     yield sock
     sock.close(0)
     ctx.term()
