@@ -18,6 +18,7 @@ Such a checkpoint resumes on the same world size and mesh only (checked, with an
 from __future__ import annotations
 
 import json
+import queue
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -241,6 +242,7 @@ def save(state, run_dir: str | Path, progress: Progress) -> Path:
         sd["progress"] = asdict(progress)
         sd["adam_steps"] = _adam_steps(state)
         sd["format"] = _FORMAT
+        _write_results_in_process()
         dist_checkpointing.save(sd, str(path))
     dist.barrier()
     if dist.get_rank() == 0:
@@ -249,6 +251,20 @@ def save(state, run_dir: str | Path, progress: Progress) -> Path:
         tmp.replace(root / "latest")
     dist.barrier()
     return path
+
+
+def _write_results_in_process() -> None:
+    """Give megatron's checkpoint writer an in-process results queue before its first save.
+
+    Its default is a ``multiprocessing`` Manager queue: a server process of its own (~700 MB resident, it
+    imports the trainer's modules) that outlives a trainer killed with SIGKILL, one orphan per crash and
+    rank. Our saves are synchronous: the writer's threads put their results and the same process takes
+    them, so a plain queue carries them.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def latest(run_dir: str | Path) -> Path | None:

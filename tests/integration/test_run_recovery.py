@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tidal.journal_audit import audit_journal
@@ -118,6 +119,8 @@ def test_job_recovers_from_sigkill_of_a_rollout_node_and_of_the_trainer(tmp_path
         _wait(lambda: len(_steps(run_dir)) >= 5, 300, proc, "five GRPO steps (a checkpoint at step 4)")
         trainer_pid = _trainer_worker_pid(run_dir)
         assert trainer_pid is not None, "no trainer process found"
+        # its checkpoints were written by then: a child of the trainer that outlives it is an orphan
+        trainer_children = psutil.Process(trainer_pid).children(recursive=True)
         _kill_between_checkpoints(trainer_pid, run_dir)
         proc.wait(timeout=500)
     finally:
@@ -133,6 +136,8 @@ def test_job_recovers_from_sigkill_of_a_rollout_node_and_of_the_trainer(tmp_path
         f"--- {p.name}\n{p.read_text()[-2500:]}" for p in sorted((run_dir / "logs").glob("*.log"))
     )
     assert proc.returncode == 0, text[-4000:] + logs
+    orphans = [p for p in trainer_children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not orphans, f"the killed trainer left processes behind: {[p.cmdline()[:4] for p in orphans]}"
     assert "trainer died" in text, text[-3000:]
 
     # the trainer's final lineage: the last record of each step, batch ids 0..steps-1 each once
