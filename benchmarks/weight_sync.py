@@ -50,6 +50,7 @@ bytes, bounds syncs of many small tensors.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -80,6 +81,17 @@ from weight_sync_setup import (  # noqa: E402
     start_receivers,
     tiny_model,
 )
+
+# The benchmark's own bookkeeping over HTTP (stats, CPU counters) goes through one client: a one-off
+# ``httpx.get`` builds a client and an SSL context each time, cyclic garbage whose collection (freeing the
+# contexts) took 10-16 ms, and fell inside half of the timed 10 MB syncs. ``_collect`` runs before every
+# timed call, sync and raw alike, so that neither pays for the garbage of what ran before it.
+_HTTP = httpx.Client(timeout=30)
+
+
+def _collect() -> None:
+    gc.collect()
+
 
 # --variants: sender settings compared in one run, interleaved (each against its own raw broadcast)
 VARIANTS = {
@@ -151,15 +163,16 @@ def run_size(sender: WeightSender, urls: list[str], target: int, model: ModelCon
             version += 1
             full, raw, raw_cpu, raw_distinct = runs[v]
             for url in urls if sender.is_sender else []:
-                httpx.post(f"{url}/tidal/reset_stats", json={}, timeout=30).raise_for_status()
+                _HTTP.post(f"{url}/tidal/reset_stats", json={}).raise_for_status()
             times = GatherTimes()
             _synchronize(args.device)
+            _collect()
             cpu0 = _cpu_s(urls) if sender.is_sender else 0.0
             report = _checked(sender.sync(lambda times=times: make(times), version=version))
             if not sender.is_sender:
                 continue
             cpu1 = _cpu_s(urls)
-            stats = [httpx.get(f"{u}/tidal/stats", timeout=30).json() for u in urls]
+            stats = [_HTTP.get(f"{u}/tidal/stats").json() for u in urls]
             full.append(
                 dict(
                     wall_s=report.wall_s,
@@ -181,6 +194,7 @@ def run_size(sender: WeightSender, urls: list[str], target: int, model: ModelCon
             # the same broadcasts, bare: from one reused buffer into one (cache-warm), then from and into
             # distinct memory as the sync's bytes go; the reused one first in every other round
             for distinct in (False, True) if repeat % 2 == 0 else (True, False):
+                _collect()
                 if distinct:
                     raw_distinct.append(raw_broadcast(sender, report.bucket_sizes, distinct=True))
                 else:
@@ -243,7 +257,7 @@ def _summary(
 def _cpu_s(urls: list[str]) -> float:
     """CPU seconds used so far by this process and the receivers (tp=1: the sender is all of the trainer)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    engines = sum(httpx.get(f"{u}/tidal/stats", timeout=30).json()["cpu_s"] for u in urls)
+    engines = sum(_HTTP.get(f"{u}/tidal/stats").json()["cpu_s"] for u in urls)
     return usage.ru_utime + usage.ru_stime + engines
 
 
