@@ -27,12 +27,16 @@ class ReplayedSyncs:
             and self.stages == 1
             and group is not None
             and self._replayable is not None
-            and self._replayable[0] == group.name
+            and self._replayable[:2] == (group.name, self._bucketing())
             and all("replay_updates" in self._declared.get(u, ()) for u in self._group_engines)
         )
 
     def _record_replayable(self, report: SyncReport) -> None:
-        """After an announced sync: the digest of its buckets, if the engines can replay them next time."""
+        """After an announced sync: the digest of its buckets, if the engines can replay them next time.
+
+        Kept with the bucketing that cut them: a sync cut otherwise (the configuration changed) is announced,
+        since the engines would replay the recorded buckets while the sender broadcasts others of other
+        sizes, and both sides would wait in mismatched broadcasts until the timeout."""
         self._replayable = None
         group = self._group
         if (
@@ -43,9 +47,10 @@ class ReplayedSyncs:
             or not all("replay_updates" in self._declared.get(u, ()) for u in self._group_engines)
         ):
             return
-        recipes = self._plan.recorded(self._bucketing())
+        bucketing = self._bucketing()
+        recipes = self._plan.recorded(bucketing)
         if recipes and len(recipes) == report.buckets:
-            self._replayable = (group.name, replay.plan_digest([_entry(r) for r in recipes]))
+            self._replayable = (group.name, bucketing, replay.plan_digest([_entry(r) for r in recipes]))
 
     def _bucketing(self) -> tuple:
         """What decides how tensors are bucketed (the key of the sync plan's record): the first and other
@@ -63,7 +68,7 @@ class ReplayedSyncs:
         """Ask every engine to replay the recorded plan; the answers are awaited by ``_replay_stream``'s
         gate, once the first bucket is packed."""
         assert self._group is not None and self._replayable is not None
-        group, digest = self._group, self._replayable[1]
+        group, digest = self._group, self._replayable[2]
         return {
             u: self._pool.submit(
                 self._clients[u].replay,

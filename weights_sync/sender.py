@@ -88,9 +88,9 @@ class WeightSender(ReplayedSyncs):
         self._staging: list[torch.Tensor | None] = [None, None]
         self._raw_distinct: torch.Tensor | None = None  # raw_broadcast's source with distinct=True
         self._plan = SyncPlan()  # the buckets of the last sync, replayed by the next one
-        # (group name, plan digest) of the last sync announced in full to engines that replay updates: the
-        # next sync of the same buckets is replayed (replay.py) instead of announced
-        self._replayable: tuple[str, str] | None = None
+        # (group name, bucketing, plan digest) of the last sync announced in full to engines that replay
+        # updates: the next sync of the same buckets is replayed (replay.py) instead of announced
+        self._replayable: tuple[str, tuple, str] | None = None
         # announcements to engines stuck in a receive may hold a worker until they time out
         self._pool = ThreadPoolExecutor(
             max_workers=max(16, 4 * len(engines)), thread_name_prefix="weights-http"

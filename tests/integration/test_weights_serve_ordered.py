@@ -164,6 +164,33 @@ def test_a_second_sync_replays_the_recorded_plan_and_leaves_the_engine_generatin
     assert _greedy(url) == expected
 
 
+def test_a_sync_cut_into_other_buckets_is_announced_not_replayed(engine_url):
+    """The sender's bucket settings change between syncs (as ``benchmarks/weight_sync.py --variants``
+    alternates them): the engine holds the last announced plan, so a sync cut otherwise is announced, and
+    replays resume once a plan repeats. Replaying the old plan while broadcasting the new buckets left
+    both sides in mismatched broadcasts until the timeout."""
+    url = engine_url
+    small = WeightSyncConfig(
+        bucket_bytes=16 << 10, segmented_bucket_bytes=16 << 10, timeout_s=30, own_broadcast_bytes=8 << 10
+    )
+    large = small.model_copy(update={"bucket_bytes": 64 << 10, "segmented_bucket_bytes": 64 << 10})
+    sender = WeightSender(small, [EngineEndpoint(url)])
+    try:
+        seen = []
+        for version, config in enumerate([small, large, small, small, large], start=30):
+            sender.config = config
+            weights = _weights(seed=version)
+            report = sender.sync(lambda weights=weights: iter(weights.items()), version=version)
+            assert report.ok and not report.dropped and report.attempts == 1, report
+            assert all(torch.equal(_served(url, n), t) for n, t in weights.items())
+            seen.append((report.buckets, report.replayed))
+    finally:
+        sender.close()
+    (small_buckets, _), (large_buckets, _) = seen[:2]
+    assert small_buckets > large_buckets
+    assert [replayed for _, replayed in seen] == [False, False, False, True, False]
+
+
 def test_a_reused_or_missing_bucket_seq_is_refused_and_the_engine_keeps_serving(engine_url):
     url = engine_url
     config = WeightSyncConfig(bucket_bytes=16 << 10, timeout_s=30)
