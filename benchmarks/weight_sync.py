@@ -26,7 +26,10 @@ what was not received in place (``in_place_bytes`` in the JSON: tensors sent on 
 ``--variants`` compares sender settings in one run, interleaved, each paired with its own raw broadcast:
 ``default`` (as configured), ``packed`` (no tensor on a broadcast of its own: every byte packed by the
 sender and copied by the engine's load), ``serial`` (packed, one bucket at a time: what SGLang gets), or
-``key=value`` settings (``own=MIB,bucket=MIB,first=MIB,inflight=N``).
+``key=value`` settings (``own=MIB,bucket=MIB,first=MIB,inflight=N``). An engine keeps the last plan it
+was announced, and each variant cuts its own buckets, so with two or more variants every sync is announced,
+none replayed (replay.py): such a run compares the variants with each other; a run of the default alone
+measures what a trainer's syncs cost.
 
     .venv/bin/python benchmarks/weight_sync.py --engine serve --sizes-mb 100 500 2000 --repeats 5 \
         --variants default packed serial --out runs/bench/weight_sync_serve.json
