@@ -142,7 +142,7 @@ def test_a_repeated_sync_is_replayed_without_announcements(receivers, checkpoint
 
         # an engine without the plan refuses it before anything is sent; the next attempt announces it and
         # costs no retry (none allowed here)
-        sender._replayable = (sender._group.name, "0" * 32)
+        sender._replayable = (sender._group.name, sender._bucketing(), "0" * 32)
         fourth = sender.sync(lambda: iter(fewer.items()), version=14, retries=0)
         assert fourth.ok and fourth.attempts == 2 and not fourth.replayed and fourth.dropped == []
         assert all(_stats(u)["version"] == "14" for u in urls)
