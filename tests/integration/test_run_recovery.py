@@ -61,6 +61,17 @@ def _checkpointed_step(run_dir: Path) -> int:
     return json.loads(markers[0].read_text())["step"] if markers else 0
 
 
+def _alive(proc: psutil.Process) -> list[str] | None:
+    """The command line of ``proc`` if it still runs (not a zombie; not another process under its pid),
+    else None."""
+    try:
+        if not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return proc.cmdline()[:4]
+    except psutil.NoSuchProcess:
+        return None
+
+
 def _kill_between_checkpoints(pid: int, run_dir: Path, timeout_s: float = 120) -> None:
     """SIGKILL the trainer at a moment when it has recorded a step after its latest checkpoint (so that step
     must run again): stopped (SIGSTOP) to look, let run on (SIGCONT) while the two are level."""
@@ -136,8 +147,8 @@ def test_job_recovers_from_sigkill_of_a_rollout_node_and_of_the_trainer(tmp_path
         f"--- {p.name}\n{p.read_text()[-2500:]}" for p in sorted((run_dir / "logs").glob("*.log"))
     )
     assert proc.returncode == 0, text[-4000:] + logs
-    orphans = [p for p in trainer_children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert not orphans, f"the killed trainer left processes behind: {[p.cmdline()[:4] for p in orphans]}"
+    orphans = [_alive(p) for p in trainer_children]
+    assert not any(orphans), f"the killed trainer left processes behind: {[o for o in orphans if o]}"
     assert "trainer died" in text, text[-3000:]
 
     # the trainer's final lineage: the last record of each step, batch ids 0..steps-1 each once
