@@ -35,13 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from tidal.broker.journal_records import (
-    _HEADER,
     FORMAT_RECORD_BYTES,
     FORMAT_VERSION,
     READABLE_FORMATS,
+    RECORD_HEADER,
     JournalFormatError,
     Kind,
-    _record,
     file_mask,
     format_payload,
     new_file_id,
@@ -49,9 +48,10 @@ from tidal.broker.journal_records import (
     parse_ref,
     read_records_at,
     read_referred,
+    record_parts,
     segment_path,
 )
-from tidal.broker.journal_writers import _BufferedWriter, _DirectWriter, _open_writer
+from tidal.broker.journal_writers import BufferedWriter, DirectWriter, open_writer
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class Journal:
         self.on_durable: Callable[[int], None] | None = None
         self.appended_seq = 0  # records appended (staged or written)
         self.durable_seq = 0  # records written (and fsynced under fsync=always)
-        self._writer: _BufferedWriter | _DirectWriter | None = None
+        self._writer: BufferedWriter | DirectWriter | None = None
         # Deferred mode: records staged for the next commit: (kind, payload, crc or None).
         self._staged: list[tuple[Kind | None, Any, int | None]] = []
         # Background mode: records for the writer thread, and compactions (None, records) in their place
@@ -182,10 +182,10 @@ class Journal:
         if leftover.exists() and not self._keep_spare(leftover):
             leftover.unlink()
         self._forget_segments({loc[0] for loc in self.replayed_locs if loc is not None})
-        self._writer = _open_writer(self.path, good, self.direct_io)
+        self._writer = open_writer(self.path, good, self.direct_io)
         if good == 0:
             self.file_id = new_file_id()
-            self._writer.write(_record(Kind.FORMAT, format_payload(self.file_id)))
+            self._writer.write(record_parts(Kind.FORMAT, format_payload(self.file_id)))
             self._mask = file_mask(str(FORMAT_VERSION), self.file_id)
         self._writing_id = self.file_id
         self._tail = self._writer.size
@@ -295,7 +295,7 @@ class Journal:
         """Append a record; returns its sequence number (durable once ``durable_seq`` reaches it). Its
         payload will lie at ``last_offset`` of the file ``file_id``. ``crc``: the record's checksum where
         the caller has it (``record_crc``), else computed when written."""
-        self.last_offset = self._tail + _HEADER.size
+        self.last_offset = self._tail + RECORD_HEADER.size
         self._tail = self.last_offset + len(payload)
         if self.background:  # written at the next commit(), by the writer thread or inline
             self._queue.append((kind, payload, crc))
@@ -306,7 +306,7 @@ class Journal:
             self.appended_seq += 1
             return self.appended_seq
         with self._io:
-            self._write(_record(kind, payload, crc, self._mask))
+            self._write(record_parts(kind, payload, crc, self._mask))
         self.appended_seq += 1
         self.durable_seq = self.appended_seq
         return self.appended_seq
@@ -339,7 +339,7 @@ class Journal:
         staged, self._staged = self._staged, []
         parts: list[bytes | memoryview] = []
         for kind, payload, crc in staged:
-            parts += _record(kind, payload, crc, self._mask)
+            parts += record_parts(kind, payload, crc, self._mask)
         with self._io:
             self._write(parts)
         self.durable_seq = self.appended_seq
@@ -392,7 +392,7 @@ class Journal:
                         parts, records, nbytes = [], 0, 0
                     self._replace(payload)
                     continue
-                parts += _record(kind, payload, crc, self._mask)
+                parts += record_parts(kind, payload, crc, self._mask)
                 records += 1
                 nbytes += len(payload)
                 if report and nbytes >= DURABLE_SLICE:
@@ -454,8 +454,8 @@ class Journal:
         file_id, offsets = new_file_id(), []
         self._tail = FORMAT_RECORD_BYTES
         for _, payload in records:
-            offsets.append(self._tail + _HEADER.size)
-            self._tail += _HEADER.size + len(payload)
+            offsets.append(self._tail + RECORD_HEADER.size)
+            self._tail += RECORD_HEADER.size + len(payload)
         self.file_id = file_id
         return file_id, offsets
 
@@ -477,11 +477,13 @@ class Journal:
                 os.link(self.path, kept)
         # The same writer as appends (O_DIRECT where allowed): the live groups may be hundreds of MB, and
         # page-cache writes were several times slower here.
-        writer = _open_writer(tmp, 0, self.direct_io)
+        writer = open_writer(tmp, 0, self.direct_io)
         try:
-            writer.write(_record(Kind.FORMAT, format_payload(file_id)))
+            writer.write(record_parts(Kind.FORMAT, format_payload(file_id)))
             mask = file_mask(str(FORMAT_VERSION), file_id)
-            writer.write([part for kind, payload in records for part in _record(kind, payload, mask=mask)])
+            writer.write(
+                [part for kind, payload in records for part in record_parts(kind, payload, mask=mask)]
+            )
         finally:
             size = writer.size
             writer.close()
@@ -490,7 +492,7 @@ class Journal:
             os.replace(tmp, self.path)
             _fsync_path(self.dir)
             self._writer.close()
-            self._writer = _open_writer(self.path, size, self.direct_io)
+            self._writer = open_writer(self.path, size, self.direct_io)
             self._writing_id = file_id
             self._mask = mask
             self._dirty = False

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from isal.isal_zlib import crc32  # zlib's CRC-32, same values, with ISA-L's carry-less multiply (~10x)
 
-_HEADER = struct.Struct("<BII")
+RECORD_HEADER = struct.Struct("<BII")
 
 
 class Kind(IntEnum):
@@ -39,7 +39,7 @@ _REF = struct.Struct("<16sQI")
 # The FORMAT payload is "<format> <file id>": the file id (16 hex digits, new for every file a compaction
 # writes) lets a reader on this host that was given offsets check it opened the file they refer to.
 FILE_ID_CHARS = 16
-FORMAT_RECORD_BYTES = _HEADER.size + len(str(FORMAT_VERSION)) + 1 + FILE_ID_CHARS
+FORMAT_RECORD_BYTES = RECORD_HEADER.size + len(str(FORMAT_VERSION)) + 1 + FILE_ID_CHARS
 
 
 def new_file_id() -> str:
@@ -80,14 +80,10 @@ def segment_path(directory: Path, file_id: str) -> Path:
     return directory / f"journal.{file_id}.log"
 
 
-def _crc(kind: int, payload: bytes | memoryview) -> int:
-    return crc32(payload, crc32(bytes((kind,))))
-
-
-def record_crc(kind: Kind, payload: bytes | memoryview) -> int:
+def record_crc(kind: int, payload: bytes | memoryview) -> int:
     """The checksum a record of ``kind`` with this payload carries (callers that need it too compute it
     once and pass it to ``Journal.append``)."""
-    return _crc(kind, payload)
+    return crc32(payload, crc32(bytes((kind,))))
 
 
 def file_mask(number: str, file_id: str | None) -> int:
@@ -97,20 +93,23 @@ def file_mask(number: str, file_id: str | None) -> int:
     return crc32(f"tidal journal {file_id}".encode()) if number not in ("1", "2") and file_id else 0
 
 
-def _record(
+def record_parts(
     kind: Kind, payload: bytes | memoryview, crc: int | None = None, mask: int = 0
 ) -> list[bytes | memoryview]:
-    return [_HEADER.pack(kind, len(payload), (_crc(kind, payload) if crc is None else crc) ^ mask), payload]
+    return [
+        RECORD_HEADER.pack(kind, len(payload), (record_crc(kind, payload) if crc is None else crc) ^ mask),
+        payload,
+    ]
 
 
 def head_mask(data: bytes | memoryview) -> int:
     """The checksum mask of the file that starts with ``data`` (its FORMAT record)."""
-    if len(data) < _HEADER.size:
+    if len(data) < RECORD_HEADER.size:
         return 0
-    kind, length, _ = _HEADER.unpack_from(data, 0)
-    if kind != Kind.FORMAT or _HEADER.size + length > len(data):
+    kind, length, _ = RECORD_HEADER.unpack_from(data, 0)
+    if kind != Kind.FORMAT or RECORD_HEADER.size + length > len(data):
         return 0
-    return file_mask(*parse_format(data[_HEADER.size : _HEADER.size + length]))
+    return file_mask(*parse_format(data[RECORD_HEADER.size : RECORD_HEADER.size + length]))
 
 
 def read_records(data: memoryview) -> tuple[list[tuple[Kind, memoryview]], int]:
@@ -124,17 +123,17 @@ def read_records_at(data: memoryview) -> tuple[list[tuple[Kind, memoryview, int]
     out: list[tuple[Kind, memoryview, int]] = []
     pos = 0
     mask = 0  # the FORMAT record has none; the records after it have its file's
-    while pos + _HEADER.size <= len(data):
-        kind, length, crc = _HEADER.unpack_from(data, pos)
-        end = pos + _HEADER.size + length
+    while pos + RECORD_HEADER.size <= len(data):
+        kind, length, crc = RECORD_HEADER.unpack_from(data, pos)
+        end = pos + RECORD_HEADER.size + length
         if end > len(data) or kind not in Kind._value2member_map_:
             break
-        payload = data[pos + _HEADER.size : end]
-        if _crc(kind, payload) ^ (mask if pos else 0) != crc:
+        payload = data[pos + RECORD_HEADER.size : end]
+        if record_crc(kind, payload) ^ (mask if pos else 0) != crc:
             break
         if pos == 0:
             mask = head_mask(data[:end])
-        out.append((Kind(kind), payload, pos + _HEADER.size))
+        out.append((Kind(kind), payload, pos + RECORD_HEADER.size))
         pos = end
     return out, pos
 
@@ -155,10 +154,10 @@ def read_referred(directory: Path, refs: list[tuple[str, int, int]]) -> list[mem
                     raise JournalCorrupt(
                         f"journal file {path}, which the log refers to, cannot be read: {exc}"
                     ) from None
-            raw = os.pread(fds[file_id], _HEADER.size + length, offset - _HEADER.size)
-            kind, got, crc = _HEADER.unpack_from(raw) if len(raw) >= _HEADER.size else (0, -1, 0)
-            payload = memoryview(raw)[_HEADER.size :]
-            intact = _crc(kind, payload) ^ masks[file_id] == crc
+            raw = os.pread(fds[file_id], RECORD_HEADER.size + length, offset - RECORD_HEADER.size)
+            kind, got, crc = RECORD_HEADER.unpack_from(raw) if len(raw) >= RECORD_HEADER.size else (0, -1, 0)
+            payload = memoryview(raw)[RECORD_HEADER.size :]
+            intact = record_crc(kind, payload) ^ masks[file_id] == crc
             if kind not in (Kind.GROUP, Kind.RESTORE) or got != length or not intact:
                 raise JournalCorrupt(
                     f"journal file {path} holds no intact group record of {length} bytes at {offset}, which the "

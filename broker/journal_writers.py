@@ -17,7 +17,7 @@ log = logging.getLogger("tidal.broker.journal")
 COPY_WITHOUT_GIL = 64 << 10
 
 
-class _BufferedWriter:
+class BufferedWriter:
     """Appends through the page cache."""
 
     direct = False
@@ -34,7 +34,7 @@ class _BufferedWriter:
         os.close(self.fd)
 
 
-class _DirectWriter:
+class DirectWriter:
     """Appends with O_DIRECT: records are copied into a page-aligned staging buffer and written through
     to the device in whole blocks; the last partial block stays staged and is rewritten with the next
     record (the file ends in zero padding, which the reader treats as the end). Page-cache writes can be
@@ -102,13 +102,13 @@ class _DirectWriter:
         self.array = None  # the last reference: the memory goes with it
 
 
-def _open_writer(path: Path, size: int, direct: bool) -> _BufferedWriter | _DirectWriter:
+def open_writer(path: Path, size: int, direct: bool) -> BufferedWriter | DirectWriter:
     if direct:
         try:
-            return _DirectWriter(path, size)
+            return DirectWriter(path, size)
         except OSError as exc:  # e.g. tmpfs refuses O_DIRECT
             log.info("journal %s: O_DIRECT unavailable (%s); writing through the page cache", path, exc)
-    return _BufferedWriter(path, size)
+    return BufferedWriter(path, size)
 
 
 def _write_all(fd: int, parts: list[bytes | memoryview]) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from tidal.broker.direct_memory import direct_buffer
-from tidal.broker.journal_records import _HEADER, Kind, _crc, head_mask, parse_format
+from tidal.broker.journal_records import RECORD_HEADER, Kind, head_mask, parse_format, record_crc
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 BLOCK = 4096
@@ -105,10 +105,10 @@ class JournalReader:
             self._fd, self._direct = os.open(path, os.O_RDONLY), False
         self._path, self._wants_direct = path, direct
         head = self._pread_spans([(0, BLOCK)])[0]
-        kind, length, _ = _HEADER.unpack_from(head, 0)
+        kind, length, _ = RECORD_HEADER.unpack_from(head, 0)
         found = None
-        if kind == Kind.FORMAT and _HEADER.size + length <= len(head):
-            found = parse_format(head[_HEADER.size : _HEADER.size + length])[1]
+        if kind == Kind.FORMAT and RECORD_HEADER.size + length <= len(head):
+            found = parse_format(head[RECORD_HEADER.size : RECORD_HEADER.size + length])[1]
         if found != file_id:
             self.close()  # replaced by a compaction since the broker answered
             raise JournalUnavailable(f"journal {path} is file {found}, not {file_id}")
@@ -119,7 +119,7 @@ class JournalReader:
         order = sorted(range(len(refs)), key=lambda i: refs[i][0])
         spans: list[list[int]] = []  # [start, end) in the file, each covering records in `order`
         for i in order:
-            start, end = refs[i][0] - _HEADER.size, refs[i][0] + refs[i][1]
+            start, end = refs[i][0] - RECORD_HEADER.size, refs[i][0] + refs[i][1]
             if spans and start - spans[-1][1] <= MERGE_GAP:
                 spans[-1][1] = max(spans[-1][1], end)
             else:
@@ -133,13 +133,13 @@ class JournalReader:
             while offset + length > aligned[span][1]:
                 span += 1
             buf, base = bufs[span], aligned[span][0]
-            at = offset - _HEADER.size - base
-            kind, got, crc = _HEADER.unpack_from(buf, at)
-            payload = buf[at + _HEADER.size : at + _HEADER.size + length]
+            at = offset - RECORD_HEADER.size - base
+            kind, got, crc = RECORD_HEADER.unpack_from(buf, at)
+            payload = buf[at + RECORD_HEADER.size : at + RECORD_HEADER.size + length]
             if (
                 kind not in (Kind.GROUP, Kind.RESTORE)
                 or got != length
-                or _crc(kind, payload) ^ self._mask != crc
+                or record_crc(kind, payload) ^ self._mask != crc
             ):
                 raise JournalUnavailable(
                     f"journal {self._path}: no group record of {length} bytes at {offset}"

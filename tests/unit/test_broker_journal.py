@@ -5,7 +5,13 @@ import os
 import pytest
 
 from tidal.broker.journal import Journal
-from tidal.broker.journal_records import FORMAT_RECORD_BYTES, JournalFormatError, Kind, _record, read_records
+from tidal.broker.journal_records import (
+    FORMAT_RECORD_BYTES,
+    JournalFormatError,
+    Kind,
+    read_records,
+    record_parts,
+)
 
 FORMAT_BYTES = FORMAT_RECORD_BYTES  # the FORMAT record every journal starts with
 
@@ -94,7 +100,7 @@ def test_rewrite_replaces_the_log_and_appends_go_to_the_new_file(tmp_path):
 
 def _old_log(records: list[tuple[Kind, bytes]]) -> bytes:
     """A log as an earlier format wrote it: records with plain (unmasked) checksums."""
-    return b"".join(bytes(part) for kind, payload in records for part in _record(kind, payload))
+    return b"".join(bytes(part) for kind, payload in records for part in record_parts(kind, payload))
 
 
 def test_a_journal_of_another_format_is_refused_saying_what_to_do(tmp_path):
@@ -250,12 +256,12 @@ def test_a_format_2_journal_still_opens_and_takes_appends(tmp_path):
 
 @pytest.mark.parametrize("background", [False, True])
 def test_records_larger_than_the_staging_buffers_are_written_whole_and_in_order(tmp_path, background):
-    from tidal.broker.journal_writers import _DirectWriter
+    from tidal.broker.journal_writers import DirectWriter
 
     j = Journal(tmp_path, fsync="interval", fsync_interval_s=0.01, background=background)
     j.open()
     assert j.direct, "this file system refuses O_DIRECT: the staging buffers are not used"
-    staging = _DirectWriter.STAGING
+    staging = DirectWriter.STAGING
     # across both buffers several times, ending mid-buffer and mid-block, then small records after
     payloads = [os.urandom(n) for n in (staging - 100, 2 * staging + 12345, 7, staging // 3, 4096, 1)]
     for p in payloads:
@@ -267,14 +273,14 @@ def test_records_larger_than_the_staging_buffers_are_written_whole_and_in_order(
 
 
 def test_a_reused_file_never_yields_what_it_held_before(tmp_path):
-    from tidal.broker.journal_records import _HEADER
+    from tidal.broker.journal_records import RECORD_HEADER
 
     # A file's earlier life: records that each start on a 4 KiB boundary, every one intact.
     earlier = Journal(tmp_path / "earlier", fsync="never")
     earlier.open()
-    earlier.append(Kind.VERSION, b"f" * (4096 - FORMAT_BYTES - _HEADER.size))
+    earlier.append(Kind.VERSION, b"f" * (4096 - FORMAT_BYTES - RECORD_HEADER.size))
     for i in range(8):
-        earlier.append(Kind.CONSUMED, bytes([i]) * (4096 - _HEADER.size))
+        earlier.append(Kind.CONSUMED, bytes([i]) * (4096 - RECORD_HEADER.size))
     earlier.close()
     (tmp_path / "journal").mkdir()
     (tmp_path / "earlier" / "journal.log").rename(tmp_path / "journal" / "spare.old")
@@ -282,7 +288,7 @@ def test_a_reused_file_never_yields_what_it_held_before(tmp_path):
     j = Journal(tmp_path / "journal", fsync="never", spare_files=1)
     j.open()
     # Written over the spare, the new file ends exactly where one of the earlier records begins.
-    snapshot = b"s" * (4096 - FORMAT_BYTES - _HEADER.size)
+    snapshot = b"s" * (4096 - FORMAT_BYTES - RECORD_HEADER.size)
     j.compact([(Kind.SNAPSHOT, snapshot)])
     assert j.spares_used == 1 and j.path.stat().st_size > 4096  # written over, not truncated
     assert [(k, bytes(p)) for k, p in Journal(tmp_path / "journal").open()] == [(Kind.SNAPSHOT, snapshot)]
