@@ -20,6 +20,18 @@ import zmq
 import zmq.asyncio
 
 from tidal.broker import protocol as proto
+from tidal.broker.blocking_client import BrokerClient
+from tidal.broker.client_common import (
+    BrokerError,
+    BrokerTimeout,
+    LeaseRejected,
+    batch_from_reply,
+    dealer_socket,
+    lease_from_reply,
+    poll_slice_s,
+    raise_for_reply,
+    timeout_message,
+)
 from tidal.broker.client_support import (
     MAX_UNACKED_BYTES,
     _BufferPool,
@@ -27,75 +39,15 @@ from tidal.broker.client_support import (
     _Unacked,
     send_copies,
 )
-from tidal.broker.codec import decode_group, encode_group, lease_from_wire
+from tidal.broker.codec import encode_group
 from tidal.broker.curve import CurveClientKeys
 from tidal.broker.local_journal import host_id
 from tidal.broker.submit_memory import SubmitMemoryUnavailable, SubmitRing
 from tidal.broker.types import Batch, Group, Lease
 
+__all__ = ["AsyncBrokerClient", "BrokerClient", "BrokerError", "BrokerTimeout", "LeaseRejected"]
+
 log = logging.getLogger(__name__)
-
-
-class LeaseRejected(Exception):
-    """Submit on an expired or unknown lease: the prompts were re-leased; drop these groups."""
-
-
-class BrokerError(Exception):
-    """The broker answered with an error; the message says why."""
-
-    def __init__(self, message: str, code: str = ""):
-        super().__init__(message)
-        self.code = code
-
-
-class BrokerTimeout(BrokerError):
-    """No reply in time."""
-
-
-def _raise_for(type_: str, body: dict[str, Any], what: str) -> None:
-    if type_ == "ok":
-        return
-    code, message = body.get("code", "?"), body.get("message", repr(body))
-    if code == proto.LEASE_REJECTED:
-        raise LeaseRejected(message)
-    raise BrokerError(f"broker refused {what} ({code}): {message}", code)
-
-
-def _batch(body: dict[str, Any], frames: list[Any]) -> Batch | None:
-    b = body.get("batch")
-    if b is None:
-        return None
-    return Batch(b["batch_id"], [decode_group(f) for f in frames], b["policy_version"])
-
-
-def _lease(body: dict[str, Any]) -> Lease | None:
-    return lease_from_wire(body["lease"]) if body.get("lease") else None
-
-
-# A long wait for a batch is asked for in slices, so that a request lost in a broker restart is asked again.
-GET_BATCH_SLICE_S = 10.0
-
-
-def _poll_s(deadline: float | None) -> float:
-    if deadline is None:
-        return GET_BATCH_SLICE_S
-    return max(0.0, min(GET_BATCH_SLICE_S, deadline - time.monotonic()))
-
-
-def _socket(ctx: zmq.Context, address: str, curve: CurveClientKeys | None) -> zmq.Socket:
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    if curve is not None:
-        curve.apply(sock)
-    sock.connect(address)
-    return sock
-
-
-def _timeout_msg(what: str, address: str, timeout: float) -> str:
-    return (
-        f"no reply to {what} from the broker at {address} within {timeout:.1f}s: is it running and "
-        "reachable, and (with CURVE) is this client's public key in its allowed keys?"
-    )
 
 
 class AsyncBrokerClient:
@@ -125,7 +77,7 @@ class AsyncBrokerClient:
         self.wire_submits = 0  # submits whose frames went over the wire (no ring, or it was full)
         self.span_submits = 0
         self._ctx = zmq.asyncio.Context()
-        self._sock = _socket(self._ctx, address, curve)
+        self._sock = dealer_socket(self._ctx, address, curve)
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
@@ -151,7 +103,7 @@ class AsyncBrokerClient:
                 continue
             if type_ == "lease":  # pushed under the standing request (stream_leases)
                 if body.get("node_id") == self.node_id:
-                    self._pushed.put_nowait(_lease(body))
+                    self._pushed.put_nowait(lease_from_reply(body))
                 continue
             if type_ == "ack":
                 for rid, result in self._submits.acked(body):
@@ -222,7 +174,7 @@ class AsyncBrokerClient:
         except TimeoutError:
             self._pending.pop(rid, None)
             self._submits.forget(rid)
-            raise BrokerTimeout(_timeout_msg(type_, self.address, timeout)) from None
+            raise BrokerTimeout(timeout_message(type_, self.address, timeout)) from None
         return rid, fut
 
     async def _reply(
@@ -232,11 +184,11 @@ class AsyncBrokerClient:
             async with asyncio.timeout(timeout):
                 rtype, rbody, rframes = await fut
         except TimeoutError:
-            raise BrokerTimeout(_timeout_msg(type_, self.address, timeout)) from None
+            raise BrokerTimeout(timeout_message(type_, self.address, timeout)) from None
         finally:
             self._pending.pop(rid, None)
             self._submits.forget(rid)
-        _raise_for(rtype, rbody, type_)
+        raise_for_reply(rtype, rbody, type_)
         return rbody, rframes
 
     def _map_ring(self, offer: dict[str, Any] | None) -> None:
@@ -268,7 +220,7 @@ class AsyncBrokerClient:
         return (await self._call("heartbeat", {}))[0]
 
     async def lease(self, max_groups: int) -> Lease | None:
-        return _lease((await self._call("lease", {"max_groups": max_groups}))[0])
+        return lease_from_reply((await self._call("lease", {"max_groups": max_groups}))[0])
 
     async def stream_leases(self, credit: int, max_groups: int | None = None) -> None:
         """Stand a lease request: the broker pushes leases (at most ``max_groups`` groups each, default
@@ -381,7 +333,7 @@ class AsyncBrokerClient:
     ) -> Batch | None:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            wait_s = _poll_s(deadline)
+            wait_s = poll_slice_s(deadline)
             request = {"after": after, "num_groups": num_groups, "timeout_s": wait_s}
             try:
                 body, frames = await self._call(
@@ -395,7 +347,7 @@ class AsyncBrokerClient:
             if frames is None:  # the batch is cut: asked again, it comes at once, on the wire
                 continue
             if body.get("batch") or body.get("finished") or (deadline and time.monotonic() >= deadline):
-                return _batch(body, frames)
+                return batch_from_reply(body, frames)
 
     async def report_consumed(self, batch_id: int) -> None:
         await self._call("report_consumed", {"batch_id": batch_id})
@@ -424,228 +376,3 @@ class AsyncBrokerClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-class BrokerClient:
-    """Blocking client for one thread (the trainer). Replies to calls that timed out are skipped."""
-
-    def __init__(
-        self,
-        address: str,
-        *,
-        curve: CurveClientKeys | None = None,
-        timeout_s: float = 30.0,
-        read_journal: bool = True,
-        read_memory: bool = True,
-        ask_ahead: bool = False,
-    ):
-        self.address = address
-        self.timeout_s = timeout_s
-        self.node_id: str | None = None
-        self._local = _LocalFrames(read_journal, read_memory)
-        self._ctx = zmq.Context()
-        self._sock = _socket(self._ctx, address, curve)
-        self._ids = itertools.count(1)
-        self._registration: dict[str, Any] | None = None
-        self._buffers = _BufferPool()
-        # With ask_ahead, get_batch asks for the next batch before it copies and decodes the one it got,
-        # so the broker's reply time overlaps that work (a feed with no step between batches gains; the
-        # default job's trainer, which fetches one ahead on a thread anyway, ran 5-9% slower with it):
-        # (after, num_groups, request fields, request id) of the request sent ahead, and its reply when
-        # it came while another call waited
-        self._ahead: tuple[int, int | None, dict[str, Any], int] | None = None
-        self._stash: dict[int, tuple[str, dict[str, Any], list[Any]]] = {}
-        self.ask_ahead = ask_ahead
-        self.batches_asked_ahead = 0  # batches whose request was sent ahead and used
-
-    def _call(
-        self, type_: str, body: dict[str, Any], frames=(), timeout: float | None = -1.0, group_ids=None
-    ) -> tuple[dict[str, Any], list[Any]]:
-        try:
-            return self._call_once(type_, body, frames, timeout, group_ids)
-        except BrokerError as exc:
-            if exc.code != proto.NOT_REGISTERED or self._registration is None or type_ == "register":
-                raise
-        # The broker restarted (membership is not journaled): register again and retry once.
-        self.node_id = self._call_once("register", self._registration)[0]["node_id"]
-        return self._call_once(type_, body, frames, timeout, group_ids)
-
-    def _call_once(
-        self,
-        type_: str,
-        body: dict[str, Any],
-        frames=(),
-        timeout: float | None = -1.0,
-        group_ids: list[str] | None = None,
-    ) -> tuple[dict[str, Any], list[Any]]:
-        """One request and its reply; a submit (``group_ids`` given) is answered by an ``ack`` instead."""
-        timeout = self.timeout_s if timeout == -1.0 else timeout
-        rid = next(self._ids)
-        unacked = _Unacked()
-        if group_ids is not None:
-            unacked.add(rid, self.node_id, group_ids)
-        # With no connected peer (broker down, CURVE refused) a DEALER send waits: bound it too.
-        self._sock.sndtimeo = -1 if timeout is None else max(1, int(timeout * 1000))
-        try:
-            self._sock.send_multipart(
-                [proto.encode_envelope(type_, rid, body), *frames], copy=send_copies(frames)
-            )
-        except zmq.Again:
-            raise BrokerTimeout(_timeout_msg(type_, self.address, timeout)) from None
-        return self._await(type_, rid, timeout, unacked)
-
-    def _await(
-        self, type_: str, rid: int, timeout: float | None, unacked: _Unacked | None = None
-    ) -> tuple[dict[str, Any], list[Any]]:
-        """The reply to request ``rid`` (or the ack that covers it); others are skipped, except the reply
-        to a batch request sent ahead, which is kept for the get_batch that will want it."""
-        stashed = self._stash.pop(rid, None)
-        if stashed is not None:
-            _raise_for(stashed[0], stashed[1], type_)
-            return stashed[1], stashed[2]
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
-            if not self._sock.poll(wait_ms):
-                raise BrokerTimeout(_timeout_msg(type_, self.address, timeout))
-            reply = self._sock.recv_multipart(copy=False)
-            try:
-                got, rtype, rbody = proto.decode_reply(reply[0].buffer)
-            except Exception:
-                continue
-            if rtype == "ack":
-                done = unacked.acked(rbody) if unacked is not None else None
-                if done:
-                    return done[0][1], []
-            elif got == rid:
-                _raise_for(rtype, rbody, type_)
-                return rbody, reply[1:]
-            elif self._ahead is not None and got == self._ahead[3]:
-                self._stash = {got: (rtype, rbody, reply[1:])}
-
-    def _send_only(self, type_: str, body: dict[str, Any]) -> None:
-        """Send a request whose reply nobody waits for (the next call's loop skips it)."""
-        self._sock.sndtimeo = max(1, int(self.timeout_s * 1000))
-        try:
-            self._sock.send_multipart([proto.encode_envelope(type_, next(self._ids), body)], copy=False)
-        except zmq.Again:
-            raise BrokerTimeout(_timeout_msg(type_, self.address, self.timeout_s)) from None
-
-    def register(self, role: str, name: str, meta: dict | None = None) -> str:
-        self._registration = {"role": role, "name": name, "meta": meta or {}}
-        body, _ = self._call("register", self._registration)
-        self.node_id = body["node_id"]
-        return self.node_id
-
-    def heartbeat(self) -> dict:
-        return self._call("heartbeat", {})[0]
-
-    def lease(self, max_groups: int) -> Lease | None:
-        return _lease(self._call("lease", {"max_groups": max_groups})[0])
-
-    def submit(self, lease_id: str, groups: list[Group]) -> dict:
-        frames = [encode_group(g, self._buffers.take) for g in groups]
-        try:
-            body = self._call(
-                "submit",
-                {"lease_id": lease_id, "groups": len(frames)},
-                frames,
-                group_ids=[g.group_id for g in groups],
-            )[0]
-        except (BrokerError, LeaseRejected) as exc:
-            if not isinstance(exc, BrokerTimeout):  # without an answer the frames may still be in flight
-                self._buffers.give(frames)
-            raise
-        self._buffers.give(frames)
-        return body
-
-    def release(self, lease_id: str, group_ids: list[str] | None = None) -> None:
-        self._call("release", {"lease_id": lease_id, "group_ids": group_ids})
-
-    def policy_version(self) -> int:
-        return self._call("policy_version", {})[0]["policy_version"]
-
-    def publish_version(self, version: int, wait: bool = True) -> None:
-        """The trainer's policy version after an optimizer step. With ``wait=False`` it is only sent (the
-        broker applies requests of one connection in order; the next call skips the reply)."""
-        if wait:
-            self._call("publish_version", {"version": version})
-        else:
-            self._send_only("publish_version", {"version": version})
-
-    def get_batch(
-        self, after: int, num_groups: int | None = None, timeout_s: float | None = None
-    ) -> Batch | None:
-        """Batch ``after + 1`` (after=-1 for the first); blocks until it is ready, None on timeout or when
-        the data is exhausted (``stats()["finished"]`` tells which). A batch once cut is journaled: asking
-        again for the same id returns the same groups."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            wait_s = _poll_s(deadline)
-            request = {"after": after, "num_groups": num_groups, "timeout_s": wait_s}
-            ahead, self._ahead = self._ahead, None
-            try:
-                if ahead is not None and ahead[:3] == (after, num_groups, self._local.request_field()):
-                    body, frames = self._await("get_batch", ahead[3], wait_s + self.timeout_s)
-                    self.batches_asked_ahead += body.get("batch") is not None
-                else:
-                    self._stash.clear()  # a reply to a request ahead that nobody will ask for
-                    body, frames = self._call(
-                        "get_batch",
-                        {**request, **self._local.request_field()},
-                        timeout=wait_s + self.timeout_s,
-                    )
-            except BrokerTimeout:
-                if deadline is not None:
-                    raise
-                continue  # waiting forever: the broker may be restarting; ask again
-            if self.ask_ahead and body.get("batch") is not None:
-                self._ask_ahead(after + 1, num_groups)
-            frames = self._local.frames(body, frames)
-            if frames is None:  # the batch is cut: asked again, it comes at once, on the wire
-                continue
-            if body.get("batch") or body.get("finished") or (deadline and time.monotonic() >= deadline):
-                return _batch(body, frames)
-
-    def _ask_ahead(self, after: int, num_groups: int | None) -> None:
-        """Send the request for batch ``after + 1`` now; the get_batch that wants it takes its reply."""
-        body = {"after": after, "num_groups": num_groups, "timeout_s": GET_BATCH_SLICE_S}
-        field = self._local.request_field()
-        self._sock.sndtimeo = max(1, int(self.timeout_s * 1000))
-        rid = next(self._ids)
-        try:
-            self._sock.send_multipart(
-                [proto.encode_envelope("get_batch", rid, {**body, **field})], copy=False
-            )
-        except zmq.Again:
-            return  # asked for when wanted
-        self._ahead = (after, num_groups, field, rid)
-
-    def report_consumed(self, batch_id: int, wait: bool = True) -> None:
-        """The trainer trained through ``batch_id`` durably (checkpointed); a restart resumes after it.
-
-        With ``wait=False`` the report is only sent: the next call skips its reply. Reports are
-        cumulative, so one that is lost (a broker restart) is covered by the next one; until then the
-        broker holds those batches and a restarted trainer may be served them again."""
-        if wait:
-            self._call("report_consumed", {"batch_id": batch_id})
-        else:
-            self._send_only("report_consumed", {"batch_id": batch_id})
-
-    def stats(self) -> dict:
-        return self._call("stats", {})[0]
-
-    def leave(self) -> None:
-        self._call("leave", {})
-        self.node_id, self._registration = None, None
-
-    def close(self) -> None:
-        self._local.close()
-        self._sock.close(0)
-        self._ctx.term()
-
-    def __enter__(self) -> BrokerClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -1,0 +1,76 @@
+"""What both broker clients share (broker/client.py, broker/blocking_client.py): their exceptions, the
+DEALER socket, and reading a reply into its result."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import zmq
+
+from tidal.broker import protocol as proto
+from tidal.broker.codec import decode_group, lease_from_wire
+from tidal.broker.curve import CurveClientKeys
+from tidal.broker.types import Batch, Lease
+
+
+class LeaseRejected(Exception):
+    """Submit on an expired or unknown lease: the prompts were re-leased; drop these groups."""
+
+
+class BrokerError(Exception):
+    """The broker answered with an error; the message says why."""
+
+    def __init__(self, message: str, code: str = ""):
+        super().__init__(message)
+        self.code = code
+
+
+class BrokerTimeout(BrokerError):
+    """No reply in time."""
+
+
+def raise_for_reply(type_: str, body: dict[str, Any], what: str) -> None:
+    if type_ == "ok":
+        return
+    code, message = body.get("code", "?"), body.get("message", repr(body))
+    if code == proto.LEASE_REJECTED:
+        raise LeaseRejected(message)
+    raise BrokerError(f"broker refused {what} ({code}): {message}", code)
+
+
+def batch_from_reply(body: dict[str, Any], frames: list[Any]) -> Batch | None:
+    b = body.get("batch")
+    if b is None:
+        return None
+    return Batch(b["batch_id"], [decode_group(f) for f in frames], b["policy_version"])
+
+
+def lease_from_reply(body: dict[str, Any]) -> Lease | None:
+    return lease_from_wire(body["lease"]) if body.get("lease") else None
+
+
+# A long wait for a batch is asked for in slices, so that a request lost in a broker restart is asked again.
+GET_BATCH_SLICE_S = 10.0
+
+
+def poll_slice_s(deadline: float | None) -> float:
+    if deadline is None:
+        return GET_BATCH_SLICE_S
+    return max(0.0, min(GET_BATCH_SLICE_S, deadline - time.monotonic()))
+
+
+def dealer_socket(ctx: zmq.Context, address: str, curve: CurveClientKeys | None) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        curve.apply(sock)
+    sock.connect(address)
+    return sock
+
+
+def timeout_message(what: str, address: str, timeout: float) -> str:
+    return (
+        f"no reply to {what} from the broker at {address} within {timeout:.1f}s: is it running and "
+        "reachable, and (with CURVE) is this client's public key in its allowed keys?"
+    )
