@@ -6,6 +6,15 @@ weights become views into it, so every later weight load (by name through ``Name
 or ``load_state_dict``) writes the fused matrix as well: nothing is re-fused and nothing can go stale. The
 parameter names and the state dict are unchanged. Modules keep their class's behaviour; only ``forward`` of a
 swapped-in subclass reads the fused weight.
+
+The fused Q/K/V rows lie in megatron's grouped order, ``[kv_groups, q_heads_per_group + 2, head_dim,
+hidden]`` (per KV group: its query heads' rows, its key head's, its value head's), so that a weight sync
+sending megatron's fused matrix whole (``weights_sync/grouped_qkv.py``) lands in it in place, with no copy
+apart. ``q_proj.weight`` is then the strided view ``[kv_groups, q_heads_per_group * head_dim, hidden]`` (HF's
+rows in order, grouped; ``NamedTensorLoader``, ``state_dict`` and ``load_state_dict`` read and write it in
+HF's 2-D shape) and the projection's
+output columns are put back in q | k | v order by ``qkv_order`` (one gather of the activations, a small
+fraction of the matmul's work).
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ def fuse_projections(lm: nn.Module) -> int:
     for module in lm.modules():
         kind = type(module).__name__
         if kind in _ATTENTION and _bias_free(module.q_proj, module.k_proj, module.v_proj):
-            module.qkv_weight, module.qkv_sizes = _fuse(module.q_proj, module.k_proj, module.v_proj)
+            module.qkv_weight, module.qkv_sizes, module.qkv_order = _fuse_grouped_qkv(module)
             module.__class__ = _subclass(type(module), "attention")
             fused += 1
         elif kind in _MLP and _bias_free(module.gate_proj, module.up_proj):
@@ -57,6 +66,59 @@ def _fuse(*linears: nn.Linear) -> tuple[torch.Tensor, list[int]]:
         sizes.append(rows)
         offset += rows
     return weight, sizes
+
+
+def _fuse_grouped_qkv(attn: nn.Module) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """The fused Q/K/V matrix in megatron's grouped row order, q/k/v's weights as views into it, and the
+    gather that puts the fused projection's output columns back in q | k | v order."""
+    q, k, v = attn.q_proj.weight.detach(), attn.k_proj.weight.detach(), attn.v_proj.weight.detach()
+    head_dim = attn.head_dim
+    groups = k.shape[0] // head_dim
+    q_rows = q.shape[0] // groups  # one group's query rows
+    hidden = q.shape[1]
+    # the fused matrix is the base of every view cut from it (a view holds its base: one that
+    # arena.relayout does not know, e.g. a 3-D intermediate, would keep the old storage alive)
+    weight = torch.empty(groups * (q_rows + 2 * head_dim), hidden, dtype=q.dtype, device=q.device)
+    grouped = weight.view(groups, -1, hidden)  # [groups, q_rows + 2 * head_dim, hidden]
+    grouped[:, :q_rows] = q.view(groups, q_rows, hidden)
+    grouped[:, q_rows : q_rows + head_dim] = k.view(groups, head_dim, hidden)
+    grouped[:, q_rows + head_dim :] = v.view(groups, head_dim, hidden)
+    attn.q_proj.weight = nn.Parameter(grouped[:, :q_rows], requires_grad=False)
+    attn.k_proj.weight = nn.Parameter(grouped[:, q_rows : q_rows + head_dim], requires_grad=False)
+    attn.v_proj.weight = nn.Parameter(grouped[:, q_rows + head_dim :], requires_grad=False)
+    attn.register_state_dict_post_hook(_hf_shaped_state)
+    attn.register_load_state_dict_pre_hook(_grouped_load)
+    column = torch.arange(grouped.shape[0] * grouped.shape[1], device=q.device).view(groups, -1)
+    order = torch.cat(
+        [
+            column[:, :q_rows].reshape(-1),
+            column[:, q_rows : q_rows + head_dim].reshape(-1),
+            column[:, q_rows + head_dim :].reshape(-1),
+        ]
+    )
+    return weight, [q.shape[0], k.shape[0], v.shape[0]], order
+
+
+_QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def _hf_shaped_state(module, state_dict, prefix, local_metadata) -> None:
+    """``state_dict()`` gives q/k/v in Hugging Face's 2-D shape (a copy of the grouped rows)."""
+    for part in _QKV:
+        key = f"{prefix}{part}.weight"
+        tensor = state_dict.get(key)
+        if tensor is not None and tensor.dim() == 3:
+            state_dict[key] = tensor.reshape(-1, tensor.shape[-1])
+
+
+def _grouped_load(module, state_dict, prefix, *args) -> None:
+    """``load_state_dict`` takes q/k/v in Hugging Face's 2-D shape into the grouped rows."""
+    for part in _QKV:
+        key = f"{prefix}{part}.weight"
+        tensor = state_dict.get(key)
+        weight = getattr(module, part).weight
+        if tensor is not None and tensor.dim() == 2 and weight.dim() == 3:
+            state_dict[key] = tensor.reshape(weight.shape)
 
 
 def _subclass(cls: type, kind: str) -> type:
@@ -91,7 +153,8 @@ def _fused_attention_forward(self, hidden_states, position_embeddings, attention
     cache = legacy if cache is None else cache
     input_shape = hidden_states.shape[:-1]
     head_shape = (*input_shape, -1, self.head_dim)
-    q, k, v = F.linear(hidden_states, self.qkv_weight).split(self.qkv_sizes, dim=-1)
+    qkv = F.linear(hidden_states, self.qkv_weight).index_select(-1, self.qkv_order)
+    q, k, v = qkv.split(self.qkv_sizes, dim=-1)
     query = self.q_norm(q.view(head_shape)).transpose(1, 2)
     key = self.k_norm(k.view(head_shape)).transpose(1, 2)
     value = v.view(head_shape).transpose(1, 2)

@@ -69,7 +69,8 @@ def unsupported_reason(lm: nn.Module) -> str | None:
 class _Layer:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: torch.Tensor
+    qkv: torch.Tensor  # rows in megatron's grouped order (fused.py)
+    qkv_order: torch.Tensor  # the gather of its output columns into q | k | v order
     q_norm: torch.Tensor
     k_norm: torch.Tensor
     o_proj: torch.Tensor
@@ -193,6 +194,7 @@ class LeanDecoder:
             input_norm=layer.input_layernorm.weight,
             post_norm=layer.post_attention_layernorm.weight,
             qkv=attn.qkv_weight,
+            qkv_order=attn.qkv_order,
             q_norm=attn.q_norm.weight,
             k_norm=attn.k_norm.weight,
             o_proj=attn.o_proj.weight,
@@ -246,7 +248,7 @@ class LeanDecoder:
         row_index = torch.arange(rows, device=self.device) if masked else None
         h = F.embedding(ids, self.embed)
         for index, layer in enumerate(self.layers):
-            qkv = F.linear(self._norm(h, layer.input_norm), layer.qkv)
+            qkv = F.linear(self._norm(h, layer.input_norm), layer.qkv).index_select(-1, layer.qkv_order)
             qk = self._rotated_qk(qkv, layer, cos, sin)
             q, k = qk[:, : self.heads], qk[:, self.heads :]
             v = qkv[:, qk_width:].view(rows, self.kv_heads, self.head_dim)

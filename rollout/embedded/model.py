@@ -66,13 +66,27 @@ class NamedTensorLoader:
         self.lm = lm
         self.targets: dict[str, torch.Tensor] = dict(lm.named_parameters(remove_duplicate=False))
         self.targets.update(dict(lm.named_buffers()))
-        # fused QKVs received in place (grouped_qkv), by name: their rows are copied into q/k/v after
+        # attention blocks whose Q/K/V rows lie in megatron's grouped order (fused.py), by the name of
+        # their fused QKV: megatron's fused matrix (grouped_qkv) is received into them in place
+        self.grouped: dict[str, torch.nn.Module] = {
+            f"{prefix}.qkv_proj.weight": module
+            for prefix, module in lm.named_modules()
+            if hasattr(module, "qkv_order")
+        }
+        # their q/k/v weights, views [groups, rows per group, hidden] of HF's [rows, hidden]
+        self.grouped_parts = {part for name in self.grouped for part in grouped_qkv.parts(name)}
+        # fused QKVs of other attention blocks, received whole, by name: their rows are copied into q/k/v after
         self.landings: dict[str, torch.Tensor] = {}
 
     def resolve(self, name: str) -> torch.Tensor:
-        """The tensor (possibly a view into a fused parameter) that ``name`` writes to."""
+        """The tensor (possibly a view into a fused parameter) that ``name`` writes to; for q/k/v of a grouped
+        fused QKV a 3-D view (``hf_shape`` gives its Hugging Face shape)."""
         if name in self.targets:
             return self.targets[name]
+        attn = self.grouped.get(name)
+        if attn is not None:
+            groups, hidden = attn.q_proj.weight.shape[0], attn.qkv_weight.shape[1]
+            return attn.qkv_weight.view(groups, -1, attn.head_dim, hidden)
         m = _EXPERT.match(name)
         if m is not None:
             expert = int(m["expert"])
@@ -90,11 +104,23 @@ class NamedTensorLoader:
             f"(expected Hugging Face names such as {next(iter(self.targets))!r})"
         )
 
+    def hf_shape(self, name: str, target: torch.Tensor) -> tuple[int, ...]:
+        """The shape that ``name`` has in a Hugging Face checkpoint, of its target ``target``."""
+        if name in self.grouped_parts:
+            groups, rows, hidden = target.shape
+            return (groups * rows, hidden)
+        return tuple(target.shape)
+
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` in its Hugging Face shape (a copy where the engine's layout differs)."""
+        target = self.resolve(name)
+        return target.reshape(self.hf_shape(name, target))
+
     def check(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Raise before anything is written if a name is unknown or a shape does not match."""
         for name, tensor in named:
             parts = grouped_qkv.parts(name)
-            if parts is not None:
+            if parts is not None and name not in self.grouped:
                 if len(tensor.shape) != 4:
                     raise WeightLoadError(
                         f"{name!r} is megatron's fused QKV, shaped [groups, q_heads + 2, head_dim, hidden]; "
@@ -103,24 +129,28 @@ class NamedTensorLoader:
                 self.check(list(zip(parts, map(_Shaped, grouped_qkv.part_shapes(tensor.shape)), strict=True)))
                 continue
             target = self.resolve(name)
-            if tuple(target.shape) != tuple(tensor.shape):
+            shape = self.hf_shape(name, target)
+            if shape != tuple(tensor.shape):
                 raise WeightLoadError(
-                    f"shape mismatch for {name!r}: received {list(tensor.shape)}, the model has "
-                    f"{list(target.shape)}"
+                    f"shape mismatch for {name!r}: received {list(tensor.shape)}, the model has {list(shape)}"
                 )
 
     def copies(self, name: str, tensor: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(destination, source) pairs that load ``tensor`` under ``name`` (three for a fused QKV)."""
         parts = grouped_qkv.parts(name)
-        if parts is None:
-            return [(self.resolve(name), tensor)]
+        if parts is None or name in self.grouped:
+            target = self.resolve(name)
+            if target.shape != tensor.shape:  # q/k/v into a grouped fused QKV: HF's rows, grouped
+                tensor = tensor.reshape(target.shape)
+            return [(target, tensor)]
         sources = grouped_qkv.split(tensor)
         return [(self.resolve(n).view(src.shape), src) for n, src in zip(parts, sources, strict=True)]
 
     def target(self, name: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
-        """Where ``name`` may be received in place: its weight, or for a fused QKV a landing tensor kept
-        for it (``unscramble`` copies its rows into q/k/v once the bytes are in)."""
-        if grouped_qkv.parts(name) is None:
+        """Where ``name`` may be received in place: its weight (for a fused QKV, the grouped fused matrix),
+        or for the fused QKV of other attention a landing tensor kept for it (``unscramble`` copies its rows
+        into q/k/v once the bytes are in)."""
+        if grouped_qkv.parts(name) is None or name in self.grouped:
             return self.resolve(name)
         kept = self.landings.get(name)
         if kept is None or list(kept.shape) != list(shape) or kept.dtype != dtype:
@@ -135,6 +165,8 @@ class NamedTensorLoader:
         bytes on a GPU)."""
         dsts, srcs = [], []
         for name in names:
+            if name in self.grouped:  # received into the weights themselves
+                continue
             for part, src in zip(
                 grouped_qkv.parts(name), grouped_qkv.split(self.landings[name]), strict=True
             ):

@@ -178,6 +178,16 @@ static void embed_columns(const Model *m, const Plan *p, int rows, const int64_t
   }
 }
 
+/* where head `head` (q heads, then k heads, then v heads) lies among the fused Q/K/V's output features, in
+   head_dim blocks: the fused matrix's rows are in megatron's grouped order (fused.py), per KV group its
+   query heads, its key head, its value head */
+static inline int64_t grouped_block(const Model *m, int64_t head) {
+  const int64_t per_group = m->heads / m->kv_heads;
+  if (head < m->heads) return head / per_group * (per_group + 2) + head % per_group;
+  if (head < m->heads + m->kv_heads) return (head - m->heads) * (per_group + 2) + per_group;
+  return (head - m->heads - m->kv_heads) * (per_group + 2) + per_group + 1;
+}
+
 /* Q and K heads: RMSNorm over each head (scaled by q_norm / k_norm), rotated by the rows' positions'
    tables; queries to p->q ([rows, heads * D]), keys and values into each row's slot at its position. */
 static void qk_norm_rotary_store(const Model *m, const Layer *L, const Plan *p, int rows,
@@ -187,7 +197,7 @@ static void qk_norm_rotary_store(const Model *m, const Layer *L, const Plan *p, 
   float lanes[256 * VW] __attribute__((aligned(64)));
   for (int64_t head = 0; head < m->heads + 2 * m->kv_heads; head++) {
     const int is_q = head < m->heads, is_v = head >= m->heads + m->kv_heads;
-    const float *src = p->qkv + head * D * cols;
+    const float *src = p->qkv + grouped_block(m, head) * D * cols;
     const float *w = is_q ? L->q_norm : L->k_norm;
     for (int64_t c = 0; c < cols && c < rows; c += VW) {
       if (is_v) {

@@ -56,7 +56,8 @@ class LeanPrefill:
         slot_index = None if contiguous else torch.tensor(slots, device=d.device)
         h = F.embedding(ids.reshape(-1), d.embed)  # [tokens, hidden]
         for index, layer in enumerate(d.layers):
-            qkv = F.linear(d._norm(h, layer.input_norm), layer.qkv).view(rows, width, -1)
+            qkv = F.linear(d._norm(h, layer.input_norm), layer.qkv).index_select(-1, layer.qkv_order)
+            qkv = qkv.view(rows, width, -1)
             qk = d._rotated_qk(qkv, layer, cos, sin)  # [rows, width, heads + kv_heads, dim]
             q = qk[:, :, :heads].transpose(1, 2)  # [rows, heads, width, dim]
             k = qk[:, :, heads:].transpose(1, 2)  # [rows, kv_heads, width, dim]

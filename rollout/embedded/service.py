@@ -400,7 +400,7 @@ class EmbeddedEngine:
 
     def get_weights_by_name(self, name: str, truncate_size: int) -> list:
         try:
-            tensor = self.loader.resolve(name)
+            tensor = self.loader.read(name)
         except WeightLoadError as exc:
             raise BadRequest(str(exc)) from exc
         return tensor.detach().to(torch.float32).cpu().tolist()[:truncate_size]

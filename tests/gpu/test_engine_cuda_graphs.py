@@ -137,7 +137,7 @@ def test_captured_graphs_see_in_place_weight_loads():
             "model.layers.1.mlp.experts.5.down_proj.weight",
             "model.layers.1.mlp.gate.weight",
         ]
-        update = [(n, torch.randn(loader.resolve(n).shape, generator=gen).cuda()) for n in names]
+        update = [(n, torch.randn(loader.read(n).shape, generator=gen).cuda()) for n in names]
         sched.call(lambda: loader.load(update), drain=True).result(60)
         after = generate(sched, PROMPTS[:2], [12, 12], join_after=0)
         assert sched.decode_mode == "cuda_graphs", sched.decode_reason

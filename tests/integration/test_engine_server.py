@@ -281,12 +281,9 @@ def test_weight_updates_from_this_process_reach_the_model_mid_request(engine, lo
     lm, loader = local
     group_name = "tidal-test"
     port = free_port()
-    new = {
-        name: torch.randn_like(p) * 0.2
-        for name, p in lm.named_parameters()
-        if name.startswith("model.layers.1.")
-    }
-    everything = [(name, torch.randn_like(p) * 0.2) for name, p in lm.named_parameters()]
+    hf = {name: loader.read(name) for name, _ in lm.named_parameters()}  # checkpoint names and shapes
+    new = {name: torch.randn_like(p) * 0.2 for name, p in hf.items() if name.startswith("model.layers.1.")}
+    everything = [(name, torch.randn_like(p) * 0.2) for name, p in hf.items()]
 
     async def broadcast_with(coro, tensors):
         def send():

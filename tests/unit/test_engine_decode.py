@@ -198,7 +198,7 @@ def test_lean_decode_sees_weight_loads_by_checkpoint_name(cpu_step):
             "model.layers.1.mlp.gate.weight",
             "model.norm.weight",
         ]
-        update = [(n, torch.randn(loader.resolve(n).shape, generator=gen)) for n in names]
+        update = [(n, torch.randn(loader.read(n).shape, generator=gen)) for n in names]
         sched.call(lambda: loader.load(update), drain=True).result(30)
         after = run(sched, PROMPTS[:2], [12, 12])
     finally:

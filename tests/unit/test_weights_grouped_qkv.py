@@ -69,15 +69,23 @@ def test_the_engine_loads_a_fused_qkv_as_it_loads_q_k_v_by_name():
     whole.load([(name, fused)])
     for p in "qkv":
         target = f"{PREFIX}.{p}_proj.weight"
-        assert torch.equal(whole.resolve(target), by_name.resolve(target))
-    # received in place: into a landing tensor, then its rows into q/k/v
-    landed = NamedTensorLoader(build_model(MODEL, seed=1, device="cpu", dtype="float32"))
+        assert torch.equal(whole.read(target), by_name.read(target))
+    # received in place: straight into the engine's fused matrix, whose rows lie in megatron's grouped order
+    in_place = NamedTensorLoader(build_model(MODEL, seed=1, device="cpu", dtype="float32"))
+    target = in_place.target(name, list(fused.shape), fused.dtype)
+    assert target.data_ptr() == in_place.lm.model.layers[1].self_attn.qkv_weight.data_ptr()
+    target.copy_(fused)
+    in_place.unscramble([name])  # nothing to copy apart
+    assert not in_place.landings
+    # attention that is not fused takes it into a landing tensor, then copies its rows into q/k/v
+    landed = NamedTensorLoader(build_model(MODEL, seed=1, device="cpu", dtype="float32", fuse=False))
     landed.target(name, list(fused.shape), fused.dtype).copy_(fused)
     landed.unscramble([name])
-    assert all(
-        torch.equal(landed.resolve(f"{PREFIX}.{p}_proj.weight"), by_name.resolve(f"{PREFIX}.{p}_proj.weight"))
-        for p in "qkv"
-    )
+    for loader in (in_place, landed):
+        assert all(
+            torch.equal(loader.read(f"{PREFIX}.{p}_proj.weight"), by_name.read(f"{PREFIX}.{p}_proj.weight"))
+            for p in "qkv"
+        )
     with pytest.raises(WeightLoadError, match="qkv_proj.weight"):
         whole.check([(name, fused.reshape(2, 64, -1))])
     with pytest.raises(WeightLoadError, match="shape mismatch"):
