@@ -30,9 +30,9 @@ BUILDS = [
 ]
 
 
-def decoder_pair(family: str, seed: int, slots: int, max_len: int, isa: str | None = None):
+def decoder_pair(family: str, seed: int, slots: int, max_len: int, isa: str | None = None, **shape):
     """Two lean decoders of one model over two pools filled with the same random cache: (native, torch)."""
-    lm = build_model(tiny_config(family), seed=seed, device="cpu", dtype="float32")
+    lm = build_model(tiny_config(family, **shape), seed=seed, device="cpu", dtype="float32")
     decoders = []
     for _ in range(2):
         pool = KVPool(lm.config.num_hidden_layers, slots, max_len, "cpu")
@@ -63,6 +63,25 @@ def test_native_decode_step_equals_the_pytorch_step(family, isa):
     ids = torch.randint(0, 96, (37,), generator=gen)
     positions = torch.randint(0, 31, (37,), generator=gen)
     positions[0] = 0  # a row whose only key is its own
+    with torch.inference_mode():
+        got = native(ids, positions, int(positions.max()) + 1, masked=True)
+        expected = torch_ops(ids, positions, int(positions.max()) + 1, masked=True)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=0)
+    assert_same_cache(native, torch_ops)
+
+
+@needs_native
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2), (4, 1)])
+def test_native_step_reads_every_head_of_the_grouped_qkv_where_it_lies(heads, kv_heads):
+    """The fused Q/K/V rows are in megatron's grouped order (fused.py): the native step finds each query,
+    key and value head there (its own index arithmetic) as PyTorch's path does through ``qkv_order``, for
+    one query head per KV head, four, and a single KV head."""
+    native, torch_ops = decoder_pair(
+        "qwen3", seed=6, slots=8, max_len=16, num_attention_heads=heads, num_key_value_heads=kv_heads
+    )
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 96, (8,), generator=gen)
+    positions = torch.randint(0, 15, (8,), generator=gen)
     with torch.inference_mode():
         got = native(ids, positions, int(positions.max()) + 1, masked=True)
         expected = torch_ops(ids, positions, int(positions.max()) + 1, masked=True)

@@ -13,6 +13,7 @@ from tidal.rollout.config import SGLangEngineConfig
 from tidal.rollout.embedded.model import NamedTensorLoader, WeightLoadError, build_model
 from tidal.rollout.embedded.sampling import SamplingError, SamplingParams, sample
 from tidal.rollout.embedded.scheduler import version_spans
+from tidal.rollout.embedded.testing import tiny_config
 from tidal.rollout.engine import token_versions
 from tidal.rollout.http_client import parse_version
 from tidal.rollout.sglang_launcher import sglang_command
@@ -104,6 +105,22 @@ def test_parse_version():
     assert parse_version("v0.4.10.post2") == (0, 4, 10)
     assert parse_version("0.5.23") >= (0, 5, 23) > parse_version("0.5.9")
     assert parse_version("dev") is None
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2), (4, 1)])
+def test_grouped_qkv_rows_give_transformers_logits_for_any_heads_per_group(heads, kv_heads):
+    """The fused Q/K/V in megatron's grouped order, its output gathered back to q | k | v (qkv_order): the
+    same logits as transformers' separate projections with one, four or all query heads per KV head."""
+    cfg = tiny_config("qwen3", num_attention_heads=heads, num_key_value_heads=kv_heads)
+    fused = build_model(cfg, seed=2, device="cpu", dtype="float32")
+    plain = build_model(cfg, seed=2, device="cpu", dtype="float32", fuse=False)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids).logits, plain(ids).logits, atol=1e-5, rtol=0)
+    loader = NamedTensorLoader(fused)
+    for part in ("q_proj", "k_proj", "v_proj"):
+        name = f"model.layers.1.self_attn.{part}.weight"
+        assert torch.equal(loader.read(name), dict(plain.named_parameters())[name])
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
