@@ -58,6 +58,9 @@ class GroupInfo:
     rewards: list[float]
     min_version: int
     num_tokens: int
+    max_version: int = 0
+    # where the per-token versions lie in the frame: (byte offset, count, dtype); the journal packs them
+    versions_at: tuple[int, int, np.dtype] | None = None
 
 
 def _pad(n: int) -> int:
@@ -283,14 +286,18 @@ def inspect_group(frame: Any) -> GroupInfo:
     """Validate a frame as :func:`decode_group` does (all but the opaque per-sample metadata, which only
     the trainer reads) and summarise it for the broker, in a few operations per group."""
     f = _Frame(frame)
-    versions = f.column("versions")
+    dt, count, begin = f.specs["versions"]
+    versions = np.frombuffer(f.buf, dtype=dt, count=count, offset=begin)
     # A sample without response tokens has no version; such a group counts as current (version 0 floor).
+    # (np.minimum.reduce: no np.min wrapper)
     return GroupInfo(
         group_id=f.gid,
         num_samples=f.n,
         rewards=list(f.rewards),
-        min_version=int(np.minimum.reduce(versions)) if versions.size else 0,  # no np.min wrapper
+        min_version=int(np.minimum.reduce(versions)) if count else 0,
         num_tokens=f.specs["response_ids"][1],
+        max_version=int(np.maximum.reduce(versions)) if count else 0,
+        versions_at=(begin, count, dt),
     )
 
 

@@ -34,15 +34,19 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from tidal.broker.journal_packing import Pieces
 from tidal.broker.journal_records import (
     FORMAT_RECORD_BYTES,
     FORMAT_VERSION,
+    GROUP_KINDS,
     READABLE_FORMATS,
     RECORD_HEADER,
+    JournalCorrupt,
     JournalFormatError,
     Kind,
     file_mask,
     format_payload,
+    group_frame,
     new_file_id,
     parse_format,
     parse_ref,
@@ -124,7 +128,10 @@ class Journal:
         self._mask = 0  # that file's checksum mask (file_mask)
         self.spare_files = spare_files
         self.spares_used = 0  # compactions that wrote over a spare file
-        self.replayed_locs: list[tuple[str, int] | None] = []
+        # Whether the file appends go to takes PACKED records (format 4; an older file is finished as it
+        # was written, and the next compaction starts a format-4 file).
+        self.takes_packed = True
+        self.replayed_locs: list[tuple[str, int, int] | None] = []
         self._tail = 0
         self.last_offset = 0
 
@@ -154,8 +161,9 @@ class Journal:
 
     def open(self) -> list[tuple[Kind, memoryview]]:
         """Read the existing log (truncating a torn tail) and open it for appending. REF records come back
-        as the RESTORE records of the groups they name; ``replayed_locs`` says where each GROUP or RESTORE
-        record's payload lies ((file id, offset), parallel to the records returned)."""
+        as the RESTORE records of the groups they name and PACKED ones as GROUP records, each with its
+        frame; ``replayed_locs`` says where each group's record payload lies ((file id, offset, length),
+        parallel to the records returned)."""
         records: list[tuple[Kind, memoryview, int]] = []
         good = 0
         if self.path.exists():
@@ -187,6 +195,7 @@ class Journal:
             self.file_id = new_file_id()
             self._writer.write(record_parts(Kind.FORMAT, format_payload(self.file_id)))
             self._mask = file_mask(str(FORMAT_VERSION), self.file_id)
+            self.takes_packed = True
         self._writing_id = self.file_id
         self._tail = self._writer.size
         if self.fsync == "interval":
@@ -197,21 +206,26 @@ class Journal:
 
     def _resolve(
         self, records: list[tuple[Kind, memoryview, int]]
-    ) -> tuple[list[tuple[Kind, memoryview]], list[tuple[str, int] | None]]:
+    ) -> tuple[list[tuple[Kind, memoryview]], list[tuple[str, int, int] | None]]:
         refs = [parse_ref(payload) for kind, payload, _ in records if kind is Kind.REF]
         referred = iter(read_referred(self.dir, refs))
         kept = iter(refs)
         out: list[tuple[Kind, memoryview]] = []
-        locs: list[tuple[str, int] | None] = []
+        locs: list[tuple[str, int, int] | None] = []
         for kind, payload, offset in records:
             if kind is Kind.REF:
-                file_id, at, _ = next(kept)
                 out.append((Kind.RESTORE, next(referred)))
-                locs.append((file_id, at))
+                locs.append(next(kept))
+                continue
+            if kind is Kind.PACKED:
+                try:
+                    out.append((Kind.GROUP, group_frame(kind, payload)))
+                except ValueError as exc:  # its checksum held: written wrong, not torn
+                    raise JournalCorrupt(f"journal {self.path}: packed group at {offset}: {exc}") from None
             else:
                 out.append((kind, payload))
-                held = kind in (Kind.GROUP, Kind.RESTORE) and self.file_id is not None
-                locs.append((self.file_id, offset) if held else None)
+            held = kind in GROUP_KINDS and self.file_id is not None
+            locs.append((self.file_id, offset, len(payload)) if held else None)
         return out, locs
 
     def _forget_segments(self, keep: set[str], wait: bool = True) -> None:
@@ -274,6 +288,7 @@ class Journal:
         kind, payload, _ = records[0]
         found = parse_format(payload)[0] if kind is Kind.FORMAT else "1"
         self._mask = file_mask(found, self.file_id)
+        self.takes_packed = found == str(FORMAT_VERSION)
         if found not in READABLE_FORMATS:
             raise JournalFormatError(
                 f"journal {self.path} is in format {found}, this broker reads formats {', '.join(READABLE_FORMATS)} "
@@ -291,10 +306,13 @@ class Journal:
         t.start()
         self._threads.append(t)
 
-    def append(self, kind: Kind, payload: bytes | memoryview, crc: int | None = None) -> int:
+    def append(self, kind: Kind, payload: bytes | memoryview | Pieces, crc: int | None = None) -> int:
         """Append a record; returns its sequence number (durable once ``durable_seq`` reaches it). Its
         payload will lie at ``last_offset`` of the file ``file_id``. ``crc``: the record's checksum where
-        the caller has it (``record_crc``), else computed when written."""
+        the caller has it (``record_crc``), else computed when written. A PACKED record goes only to a
+        file that ``takes_packed``."""
+        if kind is Kind.PACKED and not self.takes_packed:
+            raise ValueError(f"journal {self.path} is an older format's file: it takes no PACKED records")
         self.last_offset = self._tail + RECORD_HEADER.size
         self._tail = self.last_offset + len(payload)
         if self.background:  # written at the next commit(), by the writer thread or inline
@@ -457,6 +475,7 @@ class Journal:
             offsets.append(self._tail + RECORD_HEADER.size)
             self._tail += RECORD_HEADER.size + len(payload)
         self.file_id = file_id
+        self.takes_packed = True  # appends from here on go to the new file
         return file_id, offsets
 
     def _replace(self, compaction: tuple[str, Iterable[tuple[Kind, bytes | memoryview]]]) -> None:

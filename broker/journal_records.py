@@ -3,16 +3,20 @@ per-file checksum mask, and reading records back from a log or from the earlier 
 
 A record is ``kind u8 | length u32 LE | crc32 u32 LE | payload``, the CRC (zlib's CRC-32) covering the
 kind byte and the payload, XORed from format 3 with a mask that follows from the file's id (``file_mask``).
+A payload may be written in pieces (``Pieces``); its checksum is the same as that of the joined bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 from enum import IntEnum
 from pathlib import Path
 
 from isal.isal_zlib import crc32  # zlib's CRC-32, same values, with ISA-L's carry-less multiply (~10x)
+
+from tidal.broker.journal_packing import Pieces, unpack_group
 
 RECORD_HEADER = struct.Struct("<BII")
 
@@ -28,13 +32,17 @@ class Kind(IntEnum):
     RESTORE = 8  # a group frame kept by compaction (bookkeeping lives in the SNAPSHOT)
     FORMAT = 9  # the first record: the journal format number
     REF = 10  # a group kept by compaction where it lies: file id, payload offset and length (format 3)
+    PACKED = 11  # an accepted group, its frame's versions run-length encoded (format 4; journal_packing)
 
 
 # 2: group frames with per-sample columns in the data region (protocol v2). Format 1 had no FORMAT record.
 # 3: compaction refers to live groups in earlier files (REF) instead of copying them (RESTORE); a format-2
 # log reads the same way.
-FORMAT_VERSION = 3
-READABLE_FORMATS = ("2", "3")
+# 4: accepted groups may be PACKED records. A format-2 or -3 file takes no PACKED record (a broker of the
+# version before would stop reading there); the file the next compaction writes is format 4.
+FORMAT_VERSION = 4
+READABLE_FORMATS = ("2", "3", "4")
+GROUP_KINDS = (Kind.GROUP, Kind.RESTORE, Kind.PACKED)  # records that hold a group frame
 _REF = struct.Struct("<16sQI")
 # The FORMAT payload is "<format> <file id>": the file id (16 hex digits, new for every file a compaction
 # writes) lets a reader on this host that was given offsets check it opened the file they refer to.
@@ -80,10 +88,21 @@ def segment_path(directory: Path, file_id: str) -> Path:
     return directory / f"journal.{file_id}.log"
 
 
-def record_crc(kind: int, payload: bytes | memoryview) -> int:
+def record_crc(kind: int, payload: bytes | memoryview | Pieces) -> int:
     """The checksum a record of ``kind`` with this payload carries (callers that need it too compute it
     once and pass it to ``Journal.append``)."""
+    if isinstance(payload, Pieces):
+        crc = crc32(bytes((kind,)))
+        for part in payload.parts:
+            crc = crc32(part, crc)
+        return crc
     return crc32(payload, crc32(bytes((kind,))))
+
+
+def group_frame(kind: Kind, payload: memoryview) -> memoryview:
+    """The group frame a GROUP, RESTORE or PACKED record holds (a PACKED one expanded into fresh
+    memory); ``ValueError`` where a PACKED payload does not hold one."""
+    return unpack_group(payload) if kind is Kind.PACKED else payload
 
 
 def file_mask(number: str, file_id: str | None) -> int:
@@ -94,12 +113,12 @@ def file_mask(number: str, file_id: str | None) -> int:
 
 
 def record_parts(
-    kind: Kind, payload: bytes | memoryview, crc: int | None = None, mask: int = 0
+    kind: Kind, payload: bytes | memoryview | Pieces, crc: int | None = None, mask: int = 0
 ) -> list[bytes | memoryview]:
-    return [
-        RECORD_HEADER.pack(kind, len(payload), (record_crc(kind, payload) if crc is None else crc) ^ mask),
-        payload,
-    ]
+    header = RECORD_HEADER.pack(
+        kind, len(payload), (record_crc(kind, payload) if crc is None else crc) ^ mask
+    )
+    return [header, *payload.parts] if isinstance(payload, Pieces) else [header, payload]
 
 
 def head_mask(data: bytes | memoryview) -> int:
@@ -139,7 +158,8 @@ def read_records_at(data: memoryview) -> tuple[list[tuple[Kind, memoryview, int]
 
 
 def read_referred(directory: Path, refs: list[tuple[str, int, int]]) -> list[memoryview]:
-    """The group payloads REF records name, read from the earlier files and checked (kind, length, CRC)."""
+    """The group frames REF records name, read from the earlier files and checked (kind, length, CRC;
+    PACKED records expanded)."""
     out: list[memoryview] = []
     fds: dict[str, int] = {}
     masks: dict[str, int] = {}
@@ -158,12 +178,16 @@ def read_referred(directory: Path, refs: list[tuple[str, int, int]]) -> list[mem
             kind, got, crc = RECORD_HEADER.unpack_from(raw) if len(raw) >= RECORD_HEADER.size else (0, -1, 0)
             payload = memoryview(raw)[RECORD_HEADER.size :]
             intact = record_crc(kind, payload) ^ masks[file_id] == crc
-            if kind not in (Kind.GROUP, Kind.RESTORE) or got != length or not intact:
+            frame = None
+            if kind in GROUP_KINDS and got == length and intact:
+                with contextlib.suppress(ValueError):
+                    frame = group_frame(Kind(kind), payload)
+            if frame is None:
                 raise JournalCorrupt(
                     f"journal file {path} holds no intact group record of {length} bytes at {offset}, which the "
                     "log refers to"
                 )
-            out.append(payload)
+            out.append(frame)
     finally:
         for fd in fds.values():
             os.close(fd)

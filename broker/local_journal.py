@@ -7,8 +7,8 @@ frames: they then cross loopback once (producer -> broker), as raw pyzmq's do, n
 opens the file, checks its FORMAT record names the same file id (a compaction writes a new file under
 the same path; an open descriptor keeps reading the file it opened), and reads neighbouring records in
 one O_DIRECT read each into fresh memory (the device writes it; the CPU copies nothing), checking each
-record's header and CRC. Anything unexpected raises :class:`JournalUnavailable`; the client then asks for
-the same batch with its frames on the wire.
+record's header and CRC (a PACKED record is expanded back to its frame). Anything unexpected raises
+:class:`JournalUnavailable`; the client then asks for the same batch with its frames on the wire.
 """
 
 from __future__ import annotations
@@ -20,7 +20,15 @@ from pathlib import Path
 import numpy as np
 
 from tidal.broker.direct_memory import direct_buffer
-from tidal.broker.journal_records import RECORD_HEADER, Kind, head_mask, parse_format, record_crc
+from tidal.broker.journal_records import (
+    GROUP_KINDS,
+    RECORD_HEADER,
+    Kind,
+    group_frame,
+    head_mask,
+    parse_format,
+    record_crc,
+)
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 BLOCK = 4096
@@ -136,15 +144,17 @@ class JournalReader:
             at = offset - RECORD_HEADER.size - base
             kind, got, crc = RECORD_HEADER.unpack_from(buf, at)
             payload = buf[at + RECORD_HEADER.size : at + RECORD_HEADER.size + length]
-            if (
-                kind not in (Kind.GROUP, Kind.RESTORE)
-                or got != length
-                or record_crc(kind, payload) ^ self._mask != crc
-            ):
+            frame = None
+            if kind in GROUP_KINDS and got == length and record_crc(kind, payload) ^ self._mask == crc:
+                try:
+                    frame = group_frame(Kind(kind), payload)
+                except ValueError:
+                    frame = None
+            if frame is None:
                 raise JournalUnavailable(
                     f"journal {self._path}: no group record of {length} bytes at {offset}"
                 )
-            out[i] = payload.toreadonly()
+            out[i] = frame.toreadonly()
         return out
 
     def _pread_spans(self, spans: list[tuple[int, int]]) -> list[memoryview]:

@@ -23,6 +23,7 @@ from tidal.broker import staleness as st
 from tidal.broker.codec import inspect_group
 from tidal.broker.config import BrokerConfig
 from tidal.broker.journal import Journal
+from tidal.broker.journal_packing import pack_group
 from tidal.broker.journal_records import Kind, record_crc, ref_payload
 from tidal.broker.local_memory import frame_address
 from tidal.broker.protocol import BAD_GROUP, BAD_REQUEST, LEASE_REJECTED, NOT_REGISTERED, ProtocolError
@@ -322,13 +323,8 @@ class BrokerState:
                 self.counters.filtered_groups += 1
                 filtered.append(gid)
             else:
-                payload = s.frame.buffer if hasattr(s.frame, "buffer") else s.frame
                 if self.journal is not None:
-                    # computed once: the journal record carries it and a local memory reader checks it
-                    s.crc = record_crc(Kind.GROUP, payload)
-                    self.journal.append(Kind.GROUP, payload, s.crc)
-                if self.journal is not None and self.journal.file_id is not None:
-                    s.loc = (self.journal.file_id, self.journal.last_offset)
+                    self._journal_group(s)
                 self._accept(s, now)
                 accepted.append(gid)
             self.outstanding.pop(gid, None)
@@ -336,6 +332,29 @@ class BrokerState:
         if not lease.pending:
             self._close_lease(lease)
         return {"accepted": accepted, "filtered": filtered}
+
+    def _journal_group(self, s: StoredGroup) -> None:
+        """Journal an accepted group: PACKED (its versions run-length encoded) where that pays and the
+        file takes it, else its frame as it came in a GROUP record."""
+        j = self.journal
+        payload = s.frame.buffer if hasattr(s.frame, "buffer") else s.frame
+        packed = None
+        if j.takes_packed and s.info.versions_at is not None:
+            at, count, dtype = s.info.versions_at
+            packed = pack_group(
+                memoryview(payload).cast("B"), at, count, dtype, s.info.min_version, s.info.max_version
+            )
+        if packed is not None:
+            # a local memory reader checks the frame's own CRC, computed when a batch first holds it
+            j.append(Kind.PACKED, packed)
+            length = len(packed)
+        else:
+            # computed once: the journal record carries it and a local memory reader checks it
+            s.crc = record_crc(Kind.GROUP, payload)
+            j.append(Kind.GROUP, payload, s.crc)
+            length = len(payload)
+        if j.file_id is not None:
+            s.loc = (j.file_id, j.last_offset, length)
 
     def _accept(self, s: StoredGroup, now: float | None) -> None:
         self.buffer[s.info.group_id] = s
@@ -455,7 +474,7 @@ class BrokerState:
             s = self.batch_store[g]
             if s.loc is None or s.loc[0] != j.file_id:
                 return None
-            refs.append([s.loc[1], len(s.frame)])
+            refs.append([s.loc[1], s.loc[2]])
         return j.file_id, refs
 
     def report_consumed(self, batch_id: int) -> None:
@@ -477,7 +496,12 @@ class BrokerState:
 
     # -------------------------------------------------------------- compaction
     def live_bytes(self) -> int:
-        return sum(len(s.frame) for s in (*self.buffer.values(), *self.batch_store.values()) if s)
+        """The journal bytes of the groups still held (a PACKED record's, not its frame's)."""
+        return sum(
+            s.loc[2] if s.loc else len(s.frame)
+            for s in (*self.buffer.values(), *self.batch_store.values())
+            if s
+        )
 
     def maybe_compact(self) -> bool:
         j = self.journal
@@ -504,7 +528,7 @@ class BrokerState:
         kept = [*self.buffer.values(), *self.batch_store.values()]
         for s, offset in zip(kept, offsets[1:], strict=True):
             if s.loc is None:
-                s.loc = (j.file_id, offset)
+                s.loc = (j.file_id, offset, len(s.frame))
         return True
 
     def _snapshot_records(self):
@@ -524,7 +548,7 @@ class BrokerState:
         yield Kind.SNAPSHOT, _pack(snap)
         for s in (*self.buffer.values(), *self.batch_store.values()):
             if s.loc is not None:
-                yield Kind.REF, ref_payload(s.loc[0], s.loc[1], len(s.frame))
+                yield Kind.REF, ref_payload(*s.loc)
             else:
                 yield Kind.RESTORE, s.frame.buffer if hasattr(s.frame, "buffer") else s.frame
 

@@ -43,7 +43,8 @@ class LeaseState:
 class StoredGroup:
     info: GroupInfo
     frame: Any  # bytes-like: the group frame exactly as it came (journaled and forwarded as is)
-    loc: tuple[str, int] | None = None  # (journal file id, offset) of its journal record's payload
+    # (journal file id, offset, length) of its journal record's payload (a PACKED one is not the frame's)
+    loc: tuple[str, int, int] | None = None
     crc: int | None = None  # its GROUP record's CRC-32, once computed (local memory readers check it)
 
 

@@ -206,13 +206,13 @@ def test_compaction_refers_to_live_groups_where_they_lie_and_keeps_only_the_file
     j.open()
     a, dead = os.urandom(5000), os.urandom(70_000)
     j.append(Kind.GROUP, a)
-    where_a = (j.file_id, j.last_offset)
+    where_a = (j.file_id, j.last_offset, len(a))
     j.append(Kind.GROUP, dead)
     first = j.file_id
-    j.compact([(Kind.SNAPSHOT, b"snap1"), (Kind.REF, ref_payload(*where_a, len(a)))])
+    j.compact([(Kind.SNAPSHOT, b"snap1"), (Kind.REF, ref_payload(*where_a))])
     c = os.urandom(3000)
     j.append(Kind.GROUP, c)
-    where_c = (j.file_id, j.last_offset)
+    where_c = (j.file_id, j.last_offset, len(c))
     j.flush()
     second = j.file_id
     assert segment_path(tmp_path, first).exists()  # it holds a live group: kept, not copied
@@ -228,7 +228,7 @@ def test_compaction_refers_to_live_groups_where_they_lie_and_keeps_only_the_file
     ]
     assert again.replayed_locs == [None, where_a, where_c]
     # a is consumed: the next compaction refers to c alone, and the first file goes
-    again.compact([(Kind.SNAPSHOT, b"snap2"), (Kind.REF, ref_payload(*where_c, len(c)))])
+    again.compact([(Kind.SNAPSHOT, b"snap2"), (Kind.REF, ref_payload(*where_c))])
     again.close()
     assert not segment_path(tmp_path, first).exists() and segment_path(tmp_path, second).exists()
     assert sorted(p.name for p in tmp_path.glob("journal.*")) == sorted(

@@ -9,6 +9,7 @@ from hypothesis import strategies as hs
 from tidal.broker.codec import encode_group
 from tidal.broker.config import BrokerConfig
 from tidal.broker.journal import Journal
+from tidal.broker.journal_records import Kind
 from tidal.broker.protocol import BAD_GROUP, BAD_REQUEST, LEASE_REJECTED, NOT_REGISTERED, ProtocolError
 from tidal.broker.source import PromptSource, load_rows
 from tidal.broker.state import BrokerState
@@ -313,3 +314,26 @@ def test_staleness_bound_holds_for_any_interleaving(tmp_path_factory, data, eta,
         assert all(s <= eta for s in state.histogram)
     if eta == 0 and policy == "drop":
         assert state.counters.dropped_stale_groups == 0
+
+
+def test_accepted_groups_are_journaled_packed_and_replay_as_the_frames_that_came(tmp_path):
+    from tidal.broker.journal_records import read_records  # noqa: PLC0415
+
+    state = make_state(tmp_path, max_staleness=3)
+    a = state.register(b"a", "rollout", "a", {}, T0)
+    lease = state.lease(a, 2, T0)
+    sent = [encode_group(fake_group(pg, version=0, response_len=400)) for pg in lease.groups]
+    state.submit(a, lease.lease_id, sent, T0)
+    state.journal.flush()
+    groups = [
+        (k, p)
+        for k, p in read_records(memoryview(state.journal.path.read_bytes()))[0]
+        if k in (Kind.GROUP, Kind.PACKED)
+    ]
+    assert [k for k, _ in groups] == [Kind.PACKED, Kind.PACKED]
+    assert all(len(p) < len(f) - 2 * 400 * 4 + 64 for (_, p), f in zip(groups, sent, strict=True))
+    batch = state.get_batch(-1, None)
+    file_id, refs = state.journal_refs(batch)
+    assert [n for _, n in refs] == [len(p) for _, p in groups]  # a local reader reads the packed records
+    again = make_state(tmp_path, max_staleness=3)
+    assert [bytes(again.batch_store[g].frame) for g in batch.group_ids] == [f.tobytes() for f in sent]
