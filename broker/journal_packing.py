@@ -17,20 +17,22 @@ take at most half the bytes of the array; other groups are journaled as plain ``
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 
 import numpy as np
 
 TRAILER = struct.Struct("<IIII")
 RUN_LENGTH = np.dtype("<u4")
+_ONE_RUN = struct.Struct("<I")
 
 
-@dataclass(frozen=True)
 class Pieces:
     """A record payload in pieces, written one after the other (nothing joins them into one buffer)."""
 
-    parts: tuple[bytes | memoryview, ...]
-    nbytes: int
+    __slots__ = ("nbytes", "parts")
+
+    def __init__(self, parts: tuple[bytes | memoryview, ...]):
+        self.parts = parts
+        self.nbytes = sum(map(len, parts))
 
     def __len__(self) -> int:
         return self.nbytes
@@ -43,24 +45,21 @@ def pack_group(frame: memoryview, at: int, count: int, dtype: np.dtype, lo: int,
     if count == 0 or dtype.kind not in "iu":
         return None
     nbytes = count * dtype.itemsize
-    if lo == hi:  # the common case: one run, no pass over the array
-        values, lengths = np.array([lo], dtype), np.array([count], RUN_LENGTH)
+    if lo == hi:  # the common case: one run, no pass over the array (and no numpy call: per group)
+        values = lo.to_bytes(dtype.itemsize, "little", signed=dtype.kind == "i")
+        lengths = _ONE_RUN.pack(count)
+        runs = 1
     else:
         v = np.frombuffer(frame, dtype, count, at)
         starts = np.flatnonzero(v[1:] != v[:-1]) + 1
         if (len(starts) + 1) * (dtype.itemsize + RUN_LENGTH.itemsize) > nbytes // 2:
             return None
         starts = np.concatenate(([0], starts))
-        values = v[starts]
-        lengths = np.diff(np.append(starts, count)).astype(RUN_LENGTH)
-    parts = (
-        frame[:at],
-        frame[at + nbytes :],
-        values.tobytes(),
-        lengths.tobytes(),
-        TRAILER.pack(at, nbytes, len(values), dtype.itemsize),
-    )
-    return Pieces(parts, sum(map(len, parts)))
+        runs = len(starts)
+        values = v[starts].tobytes()
+        lengths = np.diff(np.append(starts, count)).astype(RUN_LENGTH).tobytes()
+    trailer = TRAILER.pack(at, nbytes, runs, dtype.itemsize)
+    return Pieces((frame[:at], frame[at + nbytes :], values, lengths, trailer))
 
 
 def unpack_group(payload: memoryview) -> memoryview:
