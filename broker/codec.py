@@ -205,6 +205,10 @@ class _Frame:
                 )
         if out[SAMPLE_INFO][0].str != "|u1":
             raise ProtocolError(BAD_GROUP, f"group {self.gid!r}: {SAMPLE_INFO!r} must be bytes (|u1)")
+        if out["versions"][0].kind not in "iu":
+            raise self._bad(
+                "versions", f"dtype {out['versions'][0].str} not allowed; policy versions are integers"
+            )
         return out
 
     def _bad(self, name: Any, what: str) -> ProtocolError:

@@ -10,8 +10,8 @@ reader still see the frame exactly as it came: a ``PACKED`` record is expanded b
 
 Payload: ``frame[:at] | frame[at + nbytes:] | run values | run lengths (<u4) | trailer``, the trailer
 ``<IIII``: the versions' byte offset ``at`` in the frame, their size ``nbytes``, the number of runs and
-the item size. Only integer versions are packed (their runs compare exactly), and only where the runs
-take at most half the bytes of the array; other groups are journaled as plain ``GROUP`` records.
+the item size. Groups whose runs would take more than half the bytes of the array are journaled as plain
+``GROUP`` records.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ class Pieces:
 def pack_group(frame: memoryview, at: int, count: int, dtype: np.dtype, lo: int, hi: int) -> Pieces | None:
     """The ``PACKED`` payload of ``frame`` whose versions (``count`` x ``dtype``) lie at byte ``at``;
     ``lo`` / ``hi``: their smallest and largest value (the broker has the first already). None where
-    packing does not pay (float versions, or runs taking more than half the array's bytes)."""
+    packing does not pay (runs taking more than half the array's bytes) or cannot be exact (versions of
+    a float type, which the broker refuses anyway: runs of floats would not compare bit for bit)."""
     if count == 0 or dtype.kind not in "iu":
         return None
     nbytes = count * dtype.itemsize

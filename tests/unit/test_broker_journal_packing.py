@@ -16,6 +16,7 @@ from tidal.broker.journal_records import (
     ref_payload,
 )
 from tidal.broker.local_journal import JournalReader
+from tidal.broker.protocol import ProtocolError
 from tidal.broker.types import Group, Sample
 
 
@@ -86,11 +87,19 @@ def test_any_runs_of_versions_come_back_exactly_or_stay_unpacked(runs, split):
         assert bytes(unpack_group(memoryview(_joined(pieces)))) == frame.tobytes()
 
 
-def test_float_versions_and_versions_changing_every_token_are_journaled_as_they_came():
-    floats = encode_group(_group([np.full(100, 1.0, np.float32)]))
-    assert _pack(floats) is None
+def test_versions_changing_every_token_are_journaled_as_they_came():
     changing = encode_group(_group([np.arange(1000, dtype=np.int32)]))
     assert _pack(changing) is None
+
+
+def test_float_versions_are_refused_by_the_broker_and_never_packed():
+    floats = encode_group(_group([np.full(100, np.nan, np.float32)]))
+    with pytest.raises(
+        ProtocolError, match="'versions': dtype <f4 not allowed; policy versions are integers"
+    ):
+        inspect_group(floats)
+    at = len(floats) - 400  # wherever they lie: a float array is not packed
+    assert pack_group(memoryview(floats), at, 100, np.dtype("<f4"), 0, 0) is None
 
 
 def test_a_malformed_packed_payload_is_refused():
