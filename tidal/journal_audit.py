@@ -14,7 +14,7 @@ from pathlib import Path
 import msgpack
 
 from tidal.broker.codec import inspect_group
-from tidal.broker.journal_records import Kind, read_records
+from tidal.broker.journal_records import Kind, group_frame, read_records
 
 
 @dataclass
@@ -73,8 +73,8 @@ def audit_journal(path: str | Path) -> JournalAudit:
             ids = _unpack(payload)["ids"]
             audit.taken += len(ids)
             outstanding.update(ids)
-        elif kind is Kind.GROUP:
-            gid = inspect_group(payload).group_id
+        elif kind in (Kind.GROUP, Kind.PACKED):
+            gid = inspect_group(group_frame(kind, payload)).group_id
             if gid in accepted:
                 audit.accepted_twice.append(gid)
             accepted.add(gid)
