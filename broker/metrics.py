@@ -60,6 +60,16 @@ class BrokerCollector(Collector):
         yield CounterMetricFamily(
             f"{PREFIX}_auth_failures", "CURVE handshakes refused", value=s["auth_failures"]
         )
+        yield CounterMetricFamily(
+            f"{PREFIX}_journal_packed_groups",
+            "groups journaled with their per-token versions as runs (since the broker started)",
+            value=s["journal"].get("packed_groups", 0),
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_journal_packed_bytes_saved",
+            "journal bytes those groups did not take (since the broker started)",
+            value=s["journal"].get("packed_bytes_saved", 0),
+        )
         errors = CounterMetricFamily(f"{PREFIX}_errors", "error replies by code", labels=["code"])
         for code, n in s["errors"].items():
             errors.add_metric([code], n)

@@ -75,6 +75,9 @@ class BrokerState:
         self._scanned_version: int | None = None
         self._unscanned: list[str] = []
         self._compact_checked_at = 0  # journal size when maybe_compact last summed the live bytes
+        # Groups this broker journaled as PACKED records, and the bytes that saved (since it started).
+        self.packed_groups = 0
+        self.packed_bytes_saved = 0
         # Lease ids: a random prefix per broker process and a counter (uuid4 per lease read os.urandom
         # every time); leases do not survive a restart, and the prefix keeps ids of two runs apart.
         self._lease_prefix = uuid.uuid4().hex[:16]
@@ -348,6 +351,8 @@ class BrokerState:
             # a local memory reader checks the frame's own CRC, computed when a batch first holds it
             j.append(Kind.PACKED, packed)
             length = len(packed)
+            self.packed_groups += 1
+            self.packed_bytes_saved += len(payload) - length
         else:
             # computed once: the journal record carries it and a local memory reader checks it
             s.crc = record_crc(Kind.GROUP, payload)
@@ -624,6 +629,8 @@ class BrokerState:
             "journal": {
                 "path": str(self.journal.path) if self.journal else None,
                 "bytes": self.journal.bytes_written if self.journal else 0,
+                "packed_groups": self.packed_groups,
+                "packed_bytes_saved": self.packed_bytes_saved,
                 **(self.journal.disk() if self.journal else {}),
             },
         }

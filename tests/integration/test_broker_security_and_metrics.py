@@ -96,6 +96,7 @@ def test_stats_and_prometheus_report_queue_flight_staleness_and_throughput(tmp_p
             assert stats["counters"]["filtered_groups"] == 1 and stats["counters"]["accepted_groups"] == 2
             assert stats["staleness_histogram"] == {0: 2} and len(batch.groups) == 2
             assert stats["throughput"]["samples_per_s"] > 0 and stats["nodes_alive"] == 2
+            assert stats["journal"]["packed_groups"] == 2 and stats["journal"]["packed_bytes_saved"] > 0
             roles = sorted(n["role"] for n in stats["nodes"].values())
             assert roles == ["rollout", "trainer"]
             node.leave()
@@ -112,5 +113,7 @@ def test_stats_and_prometheus_report_queue_flight_staleness_and_throughput(tmp_p
         assert m["tidal_broker_queue_depth"] == 7
         assert m["tidal_broker_group_staleness_count"] == 2 and m["tidal_broker_group_staleness_sum"] == 0
         assert m["tidal_broker_samples_per_second"] > 0
+        assert m["tidal_broker_journal_packed_groups_total"] == 2
+        assert m["tidal_broker_journal_packed_bytes_saved_total"] == stats["journal"]["packed_bytes_saved"]
     finally:
         stop(proc)

@@ -332,6 +332,9 @@ def test_accepted_groups_are_journaled_packed_and_replay_as_the_frames_that_came
     ]
     assert [k for k, _ in groups] == [Kind.PACKED, Kind.PACKED]
     assert all(len(p) < len(f) - 2 * 400 * 4 + 64 for (_, p), f in zip(groups, sent, strict=True))
+    journal_stats = state.stats(T0)["journal"]
+    assert journal_stats["packed_groups"] == 2
+    assert journal_stats["packed_bytes_saved"] == sum(len(f) for f in sent) - sum(len(p) for _, p in groups)
     batch = state.get_batch(-1, None)
     file_id, refs = state.journal_refs(batch)
     assert [n for _, n in refs] == [len(p) for _, p in groups]  # a local reader reads the packed records
