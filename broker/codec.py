@@ -290,8 +290,8 @@ def inspect_group(frame: Any) -> GroupInfo:
     """Validate a frame as :func:`decode_group` does (all but the opaque per-sample metadata, which only
     the trainer reads) and summarise it for the broker, in a few operations per group."""
     f = _Frame(frame)
+    versions = f.column("versions")
     dt, count, begin = f.specs["versions"]
-    versions = np.frombuffer(f.buf, dtype=dt, count=count, offset=begin)
     # A sample without response tokens has no version; such a group counts as current (version 0 floor).
     # (np.minimum.reduce: no np.min wrapper)
     return GroupInfo(

@@ -8,7 +8,6 @@ A payload may be written in pieces (``Pieces``); its checksum is the same as tha
 
 from __future__ import annotations
 
-import contextlib
 import os
 import struct
 from enum import IntEnum
@@ -105,6 +104,21 @@ def group_frame(kind: Kind, payload: memoryview) -> memoryview:
     return unpack_group(payload) if kind is Kind.PACKED else payload
 
 
+def intact_group_frame(
+    header: tuple[int, int, int], payload: memoryview, length: int, mask: int
+) -> memoryview | None:
+    """The group frame of the record read at a known place (its ``header`` fields kind, length and CRC,
+    and ``payload``) where it is the group record of ``length`` bytes it should be and its checksum holds
+    under the file's ``mask``; None where not."""
+    kind, got, crc = header
+    if kind not in GROUP_KINDS or got != length or record_crc(kind, payload) ^ mask != crc:
+        return None
+    try:
+        return group_frame(Kind(kind), payload)
+    except ValueError:
+        return None
+
+
 def file_mask(number: str, file_id: str | None) -> int:
     """What a file of format ``number`` XORs into the checksum field of every record after FORMAT. From
     format 3 it follows from the file id, so that the records a reused file held before (another id)
@@ -175,13 +189,9 @@ def read_referred(directory: Path, refs: list[tuple[str, int, int]]) -> list[mem
                         f"journal file {path}, which the log refers to, cannot be read: {exc}"
                     ) from None
             raw = os.pread(fds[file_id], RECORD_HEADER.size + length, offset - RECORD_HEADER.size)
-            kind, got, crc = RECORD_HEADER.unpack_from(raw) if len(raw) >= RECORD_HEADER.size else (0, -1, 0)
+            header = RECORD_HEADER.unpack_from(raw) if len(raw) >= RECORD_HEADER.size else (0, -1, 0)
             payload = memoryview(raw)[RECORD_HEADER.size :]
-            intact = record_crc(kind, payload) ^ masks[file_id] == crc
-            frame = None
-            if kind in GROUP_KINDS and got == length and intact:
-                with contextlib.suppress(ValueError):
-                    frame = group_frame(Kind(kind), payload)
+            frame = intact_group_frame(header, payload, length, masks[file_id])
             if frame is None:
                 raise JournalCorrupt(
                     f"journal file {path} holds no intact group record of {length} bytes at {offset}, which the "

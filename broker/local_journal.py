@@ -21,13 +21,11 @@ import numpy as np
 
 from tidal.broker.direct_memory import direct_buffer
 from tidal.broker.journal_records import (
-    GROUP_KINDS,
     RECORD_HEADER,
     Kind,
-    group_frame,
     head_mask,
+    intact_group_frame,
     parse_format,
-    record_crc,
 )
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
@@ -142,14 +140,8 @@ class JournalReader:
                 span += 1
             buf, base = bufs[span], aligned[span][0]
             at = offset - RECORD_HEADER.size - base
-            kind, got, crc = RECORD_HEADER.unpack_from(buf, at)
             payload = buf[at + RECORD_HEADER.size : at + RECORD_HEADER.size + length]
-            frame = None
-            if kind in GROUP_KINDS and got == length and record_crc(kind, payload) ^ self._mask == crc:
-                try:
-                    frame = group_frame(Kind(kind), payload)
-                except ValueError:
-                    frame = None
+            frame = intact_group_frame(RECORD_HEADER.unpack_from(buf, at), payload, length, self._mask)
             if frame is None:
                 raise JournalUnavailable(
                     f"journal {self._path}: no group record of {length} bytes at {offset}"

@@ -455,7 +455,7 @@ class BrokerState:
         for g in batch.group_ids:
             s = self.batch_store[g]
             payload = s.frame.buffer if hasattr(s.frame, "buffer") else s.frame
-            if s.crc is None:  # replayed after a restart or restored by compaction
+            if s.crc is None:  # journaled PACKED, replayed after a restart or restored by compaction
                 s.crc = record_crc(Kind.GROUP, payload)
             ref = [frame_address(payload), len(payload), s.crc]
             where = s.frame.ring_location() if hasattr(s.frame, "ring_location") else None
