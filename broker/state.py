@@ -29,9 +29,8 @@ from tidal.broker.local_memory import frame_address
 from tidal.broker.protocol import BAD_GROUP, BAD_REQUEST, LEASE_REJECTED, NOT_REGISTERED, ProtocolError
 from tidal.broker.source import PromptSource
 from tidal.broker.state_records import Counters, CutBatch, LeaseState, Node, StoredGroup
+from tidal.broker.state_stats import ThroughputWindow, state_stats
 from tidal.broker.types import Lease, PromptGroup
-
-THROUGHPUT_WINDOW_S = 10.0
 
 
 def _pack(obj: Any) -> bytes:
@@ -68,8 +67,7 @@ class BrokerState:
         self.consumed = -1
         self.counters = Counters()
         self.histogram: Counter[int] = Counter()
-        self._recent: deque[tuple[float, int, int]] = deque()  # (time, samples, bytes) of accepted groups
-        self._recent_sums = [0, 0]  # samples and bytes in _recent (stats are taken every tick)
+        self.recent = ThroughputWindow()  # accepted groups, samples and bytes over the last seconds
         # Staleness only grows with the version: buffered groups are checked again only when it changed,
         # others once (every get_batch used to walk the whole buffer).
         self._scanned_version: int | None = None
@@ -371,9 +369,7 @@ class BrokerState:
         nbytes = len(s.frame)
         c.accepted_bytes += nbytes
         if now is not None:
-            self._recent.append((now, s.info.num_samples, nbytes))
-            self._recent_sums[0] += s.info.num_samples
-            self._recent_sums[1] += nbytes
+            self.recent.add(now, s.info.num_samples, nbytes)
 
     # ----------------------------------------------------------------- version
     def publish_version(self, version: int) -> None:
@@ -571,66 +567,5 @@ class BrokerState:
         self.histogram = Counter({int(k): v for k, v in d["histogram"].items()})
 
     # ------------------------------------------------------------------- stats
-    def throughput(self, now: float) -> dict[str, float]:
-        while self._recent and self._recent[0][0] < now - THROUGHPUT_WINDOW_S:
-            _, samples, nbytes = self._recent.popleft()
-            self._recent_sums[0] -= samples
-            self._recent_sums[1] -= nbytes
-        span = THROUGHPUT_WINDOW_S
-        return {
-            "window_s": span,
-            "groups_per_s": len(self._recent) / span,
-            "samples_per_s": self._recent_sums[0] / span,
-            "bytes_per_s": self._recent_sums[1] / span,
-        }
-
     def stats(self, now: float | None = None) -> dict[str, Any]:
-        now = time.time() if now is None else now
-        cfg = self.cfg
-        return {
-            "policy_version": self.version,
-            "queue_depth": len(self.requeue) + self.source.remaining_in_epoch(),
-            "requeued": len(self.requeue),
-            "in_flight_groups": self.leased,
-            "leases": len(self.leases),
-            "buffered_groups": len(self.buffer),
-            "admission": {
-                "accepted": self.accepted_live,
-                "leased": self.leased,
-                "limit": st.admission_limit(self.version, cfg.max_staleness, cfg.batch_groups),
-                "capacity": self.capacity(),
-                "max_staleness": cfg.max_staleness,
-                "policy": cfg.staleness_policy,
-            },
-            "batches": {
-                "next": self.next_batch_id,
-                "consumed": self.consumed,
-                "held": len(self.batches),
-            },
-            "cursor": {"epoch": self.source.epoch, "pos": self.source.pos, "rows": len(self.source.rows)},
-            "exhausted": self.source.exhausted,
-            "finished": self.finished,
-            "counters": dict(self.counters.__dict__),
-            "staleness_histogram": {int(k): v for k, v in sorted(self.histogram.items())},
-            "throughput": self.throughput(now),
-            "nodes": {
-                n.node_id: {
-                    "role": n.role,
-                    "name": n.name,
-                    "alive": n.alive,
-                    "seen_s_ago": round(now - n.last_seen, 3),
-                    "leases": len(n.leases),
-                    "groups_in_flight": sum(len(self.leases[x].pending) for x in n.leases),
-                    "meta": n.meta,
-                }
-                for n in self.nodes.values()
-            },
-            "nodes_alive": sum(n.alive for n in self.nodes.values()),
-            "journal": {
-                "path": str(self.journal.path) if self.journal else None,
-                "bytes": self.journal.bytes_written if self.journal else 0,
-                "packed_groups": self.packed_groups,
-                "packed_bytes_saved": self.packed_bytes_saved,
-                **(self.journal.disk() if self.journal else {}),
-            },
-        }
+        return state_stats(self, time.time() if now is None else now)
