@@ -4,7 +4,7 @@ Each sample is ``tokens`` x (int32 id + float32 logprob + int32 version) plus ~2
 
 - ``zmq``: raw pyzmq PUSH/PULL, one msgpack frame per sample (the ceiling: no broker, no journal);
 - ``broker``: a ``tidal broker`` process (journal on, default fsync policy ``interval``); producers are
-  rollout-node clients (a standing lease request the broker fills as groups are submitted, or with
+  rollout-node clients on uvloop, as `tidal rollout` runs them (a standing lease request the broker fills as groups are submitted, or with
   ``--request-leases`` one ``lease`` call each; then submit whole groups of ``--group-size`` samples), the
   consumer is the trainer client: ``get_batch`` of ``--batch-groups`` groups (the broker's default) one
   ahead on a thread, and after each batch ``publish_version`` (as the trainer after a step) and
@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import uvloop
 
 from tidal.broker.client import AsyncBrokerClient, BrokerClient
 from tidal.broker.config import BrokerConfig
@@ -148,7 +149,7 @@ def _broker_producer(
         await client.close()
         cpu.put((time.process_time() - c0, client.span_submits, client.wire_submits))
 
-    asyncio.run(main())
+    uvloop.run(main())  # as `tidal rollout` runs its node agent (rollout/main.py)
 
 
 @dataclass

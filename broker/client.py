@@ -17,7 +17,6 @@ import time
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from tidal.broker import protocol as proto
 from tidal.broker.blocking_client import BrokerClient
@@ -42,6 +41,7 @@ from tidal.broker.client_support import (
 from tidal.broker.codec import encode_group
 from tidal.broker.curve import CurveClientKeys
 from tidal.broker.local_journal import host_id
+from tidal.broker.loop_socket import LoopSocket
 from tidal.broker.submit_memory import SubmitMemoryUnavailable, SubmitRing
 from tidal.broker.types import Batch, Group, Lease
 
@@ -76,8 +76,8 @@ class AsyncBrokerClient:
         self._span_order = asyncio.Lock()  # span submits reach the broker in the order they were allocated
         self.wire_submits = 0  # submits whose frames went over the wire (no ring, or it was full)
         self.span_submits = 0
-        self._ctx = zmq.asyncio.Context()
-        self._sock = dealer_socket(self._ctx, address, curve)
+        self._ctx = zmq.Context()
+        self._sock = LoopSocket(dealer_socket(self._ctx, address, curve))
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None

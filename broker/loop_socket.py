@@ -1,0 +1,91 @@
+"""A plain ZeroMQ socket driven by the running asyncio loop: non-blocking sends and receives, and a wait on
+the socket's descriptor only when one would block.
+
+pyzmq's ``zmq.asyncio`` sockets make a future and a poller registration per call; at 1K-token samples a
+rollout node's messages (a lease pushed, a submit, its acknowledgement) cost about twice the CPU through
+them (docs/decisions.md). The broker's own loop already reads its socket this way (server.py).
+
+ZeroMQ's descriptor signals edges only, and any operation on the socket may consume the edge of an event
+that arrived meanwhile: a waiter re-reads ``EVENTS`` before it sleeps, and a send wakes the waiters so they
+look again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import zmq
+
+
+class LoopSocket:
+    """``await recv_multipart()`` / ``await send_multipart(frames)`` on a plain socket, on one loop at a
+    time (it follows the loop it is first used on after :meth:`detach`)."""
+
+    def __init__(self, sock: zmq.Socket):
+        self.sock = sock
+        self._fd = sock.getsockopt(zmq.FD)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiters: list[asyncio.Future] = []
+
+    def _attach(self) -> asyncio.AbstractEventLoop:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            self.detach()
+            loop.add_reader(self._fd, self._on_readable)
+            self._loop = loop
+        return loop
+
+    def detach(self) -> None:
+        """Stop watching the descriptor (before the socket closes, or its loop does)."""
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError, ValueError, OSError):  # a closed loop has no readers
+                self._loop.remove_reader(self._fd)
+            self._loop = None
+        self._wake()
+
+    def _on_readable(self) -> None:
+        if self._waiters:
+            self._wake()
+        elif not self.sock.closed:
+            # Nobody waits: read the events, which re-arms the descriptor (left readable, the loop would
+            # call back at once, again and again). A later waiter reads them itself before it sleeps.
+            self.sock.getsockopt(zmq.EVENTS)
+
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
+
+    async def _until(self, event: int, loop: asyncio.AbstractEventLoop) -> None:
+        while not self.sock.getsockopt(zmq.EVENTS) & event:
+            waiter = loop.create_future()
+            self._waiters.append(waiter)
+            await waiter
+
+    async def recv_multipart(self, copy: bool = False) -> list[Any]:
+        loop = self._attach()
+        while True:
+            try:
+                return self.sock.recv_multipart(zmq.NOBLOCK, copy=copy)
+            except zmq.Again:
+                await self._until(zmq.POLLIN, loop)
+
+    async def send_multipart(self, frames: list[Any], copy: bool = True) -> None:
+        """Queue a message; waits only while ZeroMQ would block (no peer connected yet, or the high-water
+        mark reached). A multipart message goes whole or not at all."""
+        loop = self._attach()
+        while True:
+            try:
+                self.sock.send_multipart(frames, zmq.NOBLOCK, copy=copy)
+                break
+            except zmq.Again:
+                await self._until(zmq.POLLOUT, loop)
+        if self._waiters:  # the send may have taken the edge of a message a waiting receive needs
+            self._wake()
+
+    def close(self, linger: int = 0) -> None:
+        self.detach()
+        self.sock.close(linger)
