@@ -211,14 +211,24 @@ class SubmitRing:
         self.full = 0  # allocations refused for want of room (those submits went on the wire)
 
     def alloc(self, nbytes: int) -> tuple[int, np.ndarray] | None:
-        """A fresh span of ``nbytes``: (start position, its memory), or None when the ring has no room."""
+        """A fresh span of ``nbytes``: (start position, its memory), or None when the ring has no room.
+
+        A span goes back to the ring's start (the next lap) as soon as the room the broker let go of there
+        is twice the bytes in flight, not only when the end is reached: the node, the broker and a local
+        trainer all touch each frame within moments, and room they touched a moment ago is still in their
+        caches. The ring then cycles through about three times the bytes in flight (a few MiB per node at
+        1K-token samples) instead of all of it; the room after the jump (the free start of this lap) still
+        holds twice what is in flight, so the jump does not make the ring run full."""
         size = _align(nbytes)
         start = self.head
         offset = start % self.capacity
-        if offset + size > self.capacity:  # never wrap inside a span
+        tail = int(self._tail[0])
+        lap = start - offset
+        # never wrap inside a span; and skip to the next lap once its free start is large enough
+        if offset and (offset + size > self.capacity or tail - lap >= 2 * (start - tail) + size):
             start += self.capacity - offset
             offset = 0
-        if start + size > int(self._tail[0]) + self.capacity:
+        if start + size > tail + self.capacity:
             self.full += 1
             return None
         self.head = start + size

@@ -49,6 +49,28 @@ def test_a_span_that_would_not_fit_before_the_end_starts_again_at_the_beginning(
     assert start == 4096 and len(memory) == 2000
 
 
+def test_the_node_goes_back_to_the_start_once_the_room_there_is_twice_what_is_in_flight():
+    arena, ring = _pair(1 << 20)
+    held = [arena.spans([[ring.alloc(1000)[0], 1000]], 1 << 20)[0] for _ in range(3)]
+    del held[0]  # 1024 bytes free at the start, 2048 in flight: carry on
+    start, _ = ring.alloc(1000)
+    assert start == 3072
+    held.append(arena.spans([[start, 1000]], 1 << 20)[0])
+    del held[0]  # 2048 free, 2048 in flight: still not twice
+    start, _ = ring.alloc(1000)
+    assert start == 4096
+    held.append(arena.spans([[start, 1000]], 1 << 20)[0])
+    del held[:2]  # 4096 free at the start, 1024 in flight (one span): back to the start (the next lap)
+    start, memory = ring.alloc(1000)
+    assert start == 1 << 20 and len(memory) == 1000
+    held.append(arena.spans([[start, 1000]], 1 << 20)[0])  # the broker takes it as a fresh span
+    for _ in range(3):  # and the room after it (the rest of the free start) is there to use
+        start, _ = ring.alloc(1000)
+        held.append(arena.spans([[start, 1000]], 1 << 20)[0])
+    assert start == (1 << 20) + 3072
+    assert ring.full == 0
+
+
 def test_spans_outside_the_free_ring_are_refused_with_the_rule():
     arena, ring = _pair(4096)
     start, _ = ring.alloc(100)
