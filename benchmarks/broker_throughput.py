@@ -20,7 +20,10 @@ to each baseline, and the CPU time per sample of each process (producers, broker
 has the broker's CPU per sample by thread (event loop, journal writer and fsync, ZeroMQ I/O) and its peak
 resident memory, and per run the cores busy on the host against those the run's processes used (the rest
 is other work) and the journal device's read and write MB/s (a broker run bound by the device shows
-idle cores of its own and the disk's bandwidth in use). Ray is optional (``make bench-deps``); without it those columns are skipped. Temporary
+idle cores of its own and the disk's bandwidth in use), and the share of their time the producers waited
+for leases and the consumer for batches (both high with idle cores: the run is bound by the latency of the
+cycle the staleness bound closes, batch -> trainer version -> leases -> groups -> batch; with every core
+busy a process also waits while the others run). Ray is optional (``make bench-deps``); without it those columns are skipped. Temporary
 folders (the journals: GBs at 32K tokens) are removed also when a run fails.
 
     .venv/bin/python benchmarks/broker_throughput.py --out runs/bench/broker_throughput.json
@@ -96,14 +99,18 @@ def _broker_producer(
     cpu,
 ) -> None:
     arrays = sample_arrays(tokens)
+    waited = [0.0]  # seconds spent waiting for a pushed lease (the broker's admission, or its latency)
 
     async def loop(client: AsyncBrokerClient, share: int) -> None:
         acks = []
         while share > 0:
+            t = time.perf_counter()
             lease = await client.lease(min(per_lease, share))
             if lease is None:
                 await asyncio.sleep(0.001)
+                waited[0] += time.perf_counter() - t
                 continue
+            waited[0] += time.perf_counter() - t
             groups = [_group(pg.group_id, arrays, group_size) for pg in lease.groups]
             if wait_acks:
                 await client.submit(lease.lease_id, groups)
@@ -118,7 +125,9 @@ def _broker_producer(
         await client.stream_leases(credit=per_lease * in_flight, max_groups=per_lease)
         submits = []
         while share > 0:
+            t = time.perf_counter()
             lease = await client.next_lease(120)
+            waited[0] += time.perf_counter() - t
             if lease is None:
                 raise RuntimeError("no lease pushed within 120 s")
             take = lease.groups[:share]
@@ -139,7 +148,7 @@ def _broker_producer(
         client = AsyncBrokerClient(address, timeout_s=120, submit_memory=submit_memory)
         await client.register("rollout", "bench")
         go.wait()
-        c0 = time.process_time()
+        c0, t0 = time.process_time(), time.perf_counter()
         if request_leases:
             # several submissions in flight per producer, as a node agent with several engines has
             shares = [groups // in_flight + (i < groups % in_flight) for i in range(in_flight)]
@@ -147,7 +156,10 @@ def _broker_producer(
         else:
             await streamed(client, groups)
         await client.close()
-        cpu.put((time.process_time() - c0, client.span_submits, client.wire_submits))
+        busy = (time.perf_counter() - t0) * (
+            in_flight if request_leases else 1
+        )  # waits of concurrent loops add
+        cpu.put((time.process_time() - c0, client.span_submits, client.wire_submits, waited[0] / busy))
 
     uvloop.run(main())  # as `tidal rollout` runs its node agent (rollout/main.py)
 
@@ -252,8 +264,11 @@ def run_broker(
             ahead = pool.submit(fetcher.get_batch, -1, sizes[0], BATCH_WAIT_S)
             received = 0
             wait = opts.wait_reports
+            batch_wait = 0.0  # seconds the consumer waited for its next batch (fetch, copy and decode)
             for i in range(len(sizes)):
+                t = time.perf_counter()
                 batch = ahead.result()
+                batch_wait += time.perf_counter() - t
                 if batch is None:
                     codes = [p.exitcode for p in procs]
                     raise RuntimeError(f"no batch within {BATCH_WAIT_S} s; producer exit codes {codes}")
@@ -285,13 +300,18 @@ def run_broker(
         producers = sum(r[0] for r in reports)
         print(
             f"    producer submits through shared memory {sum(r[1] for r in reports)}, over the wire"
-            f" {sum(r[2] for r in reports)}",
+            f" {sum(r[2] for r in reports)}; waiting for leases {sum(r[3] for r in reports) / len(reports):.0%} of the"
+            f" producers' time (leases come as the trainer's versions admit them), the consumer for"
+            f" batches {batch_wait / elapsed:.0%} of its own",
             file=sys.stderr,
         )
         for p in procs:
             p.join()
         cpu_s = {"producers": producers, "broker": broker, "consumer": consumer}
-        return elapsed, received, cpu_s, window.result(sum(cpu_s.values()))
+        host = window.result(sum(cpu_s.values()))
+        host["producers_waiting_for_leases"] = round(sum(r[3] for r in reports) / len(reports), 3)
+        host["consumer_waiting_for_batches"] = round(batch_wait / elapsed, 3)
+        return elapsed, received, cpu_s, host
     finally:
         for p in procs:
             if p.is_alive():
