@@ -21,19 +21,25 @@ class CountingSocket(LoopSocket):
         super()._on_readable()
 
 
-def _pair(ctx, address):
+@pytest.fixture
+def pair():
+    """A ROUTER (the broker's side) and a connected DEALER on loopback; closed after the test."""
+    ctx = zmq.Context()
+    address = f"tcp://127.0.0.1:{free_port()}"
     router = ctx.socket(zmq.ROUTER)
     router.bind(address)
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(address)
-    return router, dealer
+    yield router, dealer
+    dealer.close(0)
+    router.close(0)
+    ctx.term()
 
 
 @pytest.mark.parametrize("run", [asyncio.run, uvloop.run], ids=["asyncio", "uvloop"])
-def test_concurrent_sends_and_one_reader_see_every_reply_in_order(run):
-    ctx = zmq.Context()
-    router, dealer = _pair(ctx, f"tcp://127.0.0.1:{free_port()}")
+def test_concurrent_sends_and_one_reader_see_every_reply_in_order(run, pair):
+    router, dealer = pair
     sock = LoopSocket(dealer)
 
     def echo():  # the peer answers on its own thread, as the broker's process would
@@ -64,9 +70,6 @@ def test_concurrent_sends_and_one_reader_see_every_reply_in_order(run):
     for k in range(3):
         mine = [g for g in got if g.startswith(f"{k}:".encode())]
         assert mine == [f"{k}:{i}".encode() for i in range(200)]
-    sock.close()
-    router.close(0)
-    ctx.term()
 
 
 def test_a_send_with_no_peer_waits_until_one_connects():
@@ -93,9 +96,8 @@ def test_a_send_with_no_peer_waits_until_one_connects():
     ctx.term()
 
 
-def test_a_message_nobody_waits_for_does_not_spin_the_loop_and_is_received_later():
-    ctx = zmq.Context()
-    router, dealer = _pair(ctx, f"tcp://127.0.0.1:{free_port()}")
+def test_a_message_nobody_waits_for_does_not_spin_the_loop_and_is_received_later(pair):
+    router, dealer = pair
     sock = CountingSocket(dealer)
 
     async def main():
@@ -111,14 +113,10 @@ def test_a_message_nobody_waits_for_does_not_spin_the_loop_and_is_received_later
         return await asyncio.wait_for(sock.recv_multipart(copy=True), 10)
 
     assert asyncio.run(main()) == [b"pong"]
-    sock.close()
-    router.close(0)
-    ctx.term()
 
 
-def test_close_after_the_loop_ended_and_reuse_on_a_new_loop():
-    ctx = zmq.Context()
-    router, dealer = _pair(ctx, f"tcp://127.0.0.1:{free_port()}")
+def test_close_after_the_loop_ended_and_reuse_on_a_new_loop(pair):
+    router, dealer = pair
     sock = LoopSocket(dealer)
 
     async def round_trip(payload):
@@ -131,5 +129,3 @@ def test_close_after_the_loop_ended_and_reuse_on_a_new_loop():
     assert uvloop.run(round_trip(b"b")) == [b"b"]  # the first loop is closed: it follows the new one
     sock.close()
     assert sock.sock.closed
-    router.close(0)
-    ctx.term()
