@@ -108,9 +108,9 @@ def _broker_producer(
             lease = await client.lease(min(per_lease, share))
             if lease is None:
                 await asyncio.sleep(0.001)
-                waited[0] += time.perf_counter() - t
-                continue
             waited[0] += time.perf_counter() - t
+            if lease is None:
+                continue
             groups = [_group(pg.group_id, arrays, group_size) for pg in lease.groups]
             if wait_acks:
                 await client.submit(lease.lease_id, groups)
@@ -156,9 +156,8 @@ def _broker_producer(
         else:
             await streamed(client, groups)
         await client.close()
-        busy = (time.perf_counter() - t0) * (
-            in_flight if request_leases else 1
-        )  # waits of concurrent loops add
+        loops = in_flight if request_leases else 1  # the waits of concurrent loops add up
+        busy = (time.perf_counter() - t0) * loops
         cpu.put((time.process_time() - c0, client.span_submits, client.wire_submits, waited[0] / busy))
 
     uvloop.run(main())  # as `tidal rollout` runs its node agent (rollout/main.py)
@@ -298,19 +297,21 @@ def run_broker(
             )
         reports = [cpu.get() for _ in procs]
         producers = sum(r[0] for r in reports)
+        lease_wait = sum(r[3] for r in reports) / len(reports)
+        batch_wait /= elapsed
         print(
             f"    producer submits through shared memory {sum(r[1] for r in reports)}, over the wire"
-            f" {sum(r[2] for r in reports)}; waiting for leases {sum(r[3] for r in reports) / len(reports):.0%} of the"
+            f" {sum(r[2] for r in reports)}; waiting for leases {lease_wait:.0%} of the"
             f" producers' time (leases come as the trainer's versions admit them), the consumer for"
-            f" batches {batch_wait / elapsed:.0%} of its own",
+            f" batches {batch_wait:.0%} of its own",
             file=sys.stderr,
         )
         for p in procs:
             p.join()
         cpu_s = {"producers": producers, "broker": broker, "consumer": consumer}
         host = window.result(sum(cpu_s.values()))
-        host["producers_waiting_for_leases"] = round(sum(r[3] for r in reports) / len(reports), 3)
-        host["consumer_waiting_for_batches"] = round(batch_wait / elapsed, 3)
+        host["producers_waiting_for_leases"] = round(lease_wait, 3)
+        host["consumer_waiting_for_batches"] = round(batch_wait, 3)
         return elapsed, received, cpu_s, host
     finally:
         for p in procs:

@@ -63,12 +63,12 @@ class BrokerCollector(Collector):
         yield CounterMetricFamily(
             f"{PREFIX}_journal_packed_groups",
             "groups journaled with their per-token versions as runs (since the broker started)",
-            value=s["journal"].get("packed_groups", 0),
+            value=s["journal"]["packed_groups"],
         )
         yield CounterMetricFamily(
             f"{PREFIX}_journal_packed_bytes_saved",
             "journal bytes those groups did not take (since the broker started)",
-            value=s["journal"].get("packed_bytes_saved", 0),
+            value=s["journal"]["packed_bytes_saved"],
         )
         errors = CounterMetricFamily(f"{PREFIX}_errors", "error replies by code", labels=["code"])
         for code, n in s["errors"].items():
