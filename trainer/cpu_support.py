@@ -21,6 +21,11 @@ the behaviour of anything that worked before. :func:`enable` redirects them to t
 6. Megatron-FSDP (``fsdp2``) formats ``f"cuda:{torch.cuda.current_device()}"`` into a device string while
    it is constructed; :func:`cuda_device_ordinals` makes ``current_device`` return ordinal 0 for that
    moment only (the device it is given, the CPU, is what it then uses).
+7. Megatron-FSDP prefetches parameters with asynchronous coalesced all-gathers, ordered for CUDA by
+   streams and events (no-ops here), and frees buckets by resizing their storage; gloo runs an
+   asynchronous collective on a thread of its own. With those in flight the CPU tests' launches corrupted
+   the heap now and then (a gloo thread's SIGSEGV, ``malloc(): unaligned tcache chunk``); so here its
+   coalesced collectives complete before their block exits (two cores have no overlap to lose).
 
 :func:`enable` does nothing on a host where CUDA is available, so the GPU path is never touched.
 """
@@ -198,6 +203,19 @@ def _patch_all_to_all() -> None:
     dist.all_to_all_single = all_to_all_single
 
 
+def _patch_megatron_fsdp() -> None:
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as fsdp_buffers
+
+    coalescing = fsdp_buffers._coalescing_manager
+
+    @contextlib.contextmanager
+    def synchronous_coalescing(group=None, device=None, async_ops=False):
+        with coalescing(group, device, async_ops=False) as manager:
+            yield manager
+
+    fsdp_buffers._coalescing_manager = synchronous_coalescing
+
+
 @contextlib.contextmanager
 def cuda_device_ordinals():
     """While active, ``torch.cuda.current_device()`` returns 0 instead of the CPU device (no-op with CUDA).
@@ -231,6 +249,7 @@ def enable() -> bool:
         _patch_torch_cuda()
         _patch_megatron()
         _patch_all_to_all()
+        _patch_megatron_fsdp()
         # Entered for the life of the process: megatron allocates on "cuda" from many call sites.
         _CudaToCpuMode().__enter__()
         _ENABLED = True

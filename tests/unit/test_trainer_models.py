@@ -77,6 +77,13 @@ _CHILD = textwrap.dedent(
     with cpu_support.cuda_device_ordinals():
         result["cpu_support"]["ordinal_device"] = str(torch.device(f"cuda:{torch.cuda.current_device()}"))
     result["cpu_support"]["device_after_ordinals"] = str(torch.cuda.current_device())
+    import torch.distributed as dist
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as fsdp_buffers
+    gathered = torch.zeros(4)
+    with fsdp_buffers._coalescing_manager(dist.group.WORLD, async_ops=True) as manager:
+        dist.all_gather_into_tensor(gathered, torch.ones(4), async_op=True)
+    result["cpu_support"]["fsdp_gather_done_at_exit"] = gathered.tolist() == [1.0] * 4
+    result["cpu_support"]["fsdp_gathers_left_pending"] = len(manager.works)
     print(json.dumps(result))
     """
 )
@@ -135,4 +142,7 @@ def test_cpu_support_redirects_cuda_calls_on_a_host_without_cuda(built):
         # Megatron-FSDP formats device strings from current_device() while it is built
         ordinal_device="cuda:0",
         device_after_ordinals="cpu",
+        # Megatron-FSDP's asynchronous coalesced all-gathers complete before their block exits on gloo
+        fsdp_gather_done_at_exit=True,
+        fsdp_gathers_left_pending=0,
     )
