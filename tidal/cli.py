@@ -7,6 +7,7 @@ Every subcommand takes an optional YAML config followed by dotted ``key=value`` 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import sys
 from pathlib import Path
@@ -91,6 +92,11 @@ def config_main(config, args: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A native crash (SIGSEGV, an abort from the allocator) then leaves every thread's Python stack in the
+    # process's log, where the launcher keeps it. The process's own stderr: sys.stderr may be replaced by
+    # an object without a descriptor (an embedding program's, pytest's capture).
+    if sys.__stderr__ is not None:
+        faulthandler.enable(file=sys.__stderr__)
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         prog="tidal",

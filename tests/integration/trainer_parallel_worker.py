@@ -14,6 +14,7 @@ parallel state is rebuilt per case), which saves a process start per case on a s
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -153,6 +154,7 @@ def with_input_checks(loss_fn):
 
 
 def main() -> None:
+    faulthandler.enable()  # a native crash shows the Python stacks in the launch's log
     out, steps, *cases = sys.argv[1:]
     results = {}
 

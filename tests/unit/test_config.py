@@ -1,3 +1,7 @@
+import signal
+import subprocess
+import sys
+
 import pytest
 
 from tidal.cli import main as cli_main
@@ -119,3 +123,27 @@ def test_warmup_batch_size_must_be_whole_groups():
     assert load_config(RunConfig, "configs/tiny.yaml", ["warmup.batch_size=64"]).warmup.batch_size == 64
     with pytest.raises(ConfigError, match=r"warmup.batch_size=100 must be a multiple of broker.group_size=8"):
         load_config(RunConfig, "configs/tiny.yaml", ["warmup.batch_size=100"])
+
+
+_CRASHING_SUBCOMMAND = """
+import os, sys, types
+from tidal import cli
+
+def crash(config, args):
+    os.abort()  # as a native library's allocator aborts on a corrupted heap
+
+module = types.ModuleType("crashing_subcommand")
+module.main = crash
+sys.modules["crashing_subcommand"] = module
+cli.COMMANDS["crash"] = ("crashing_subcommand", "aborts")
+cli.main(["crash"])
+"""
+
+
+def test_a_native_crash_leaves_the_python_stack_in_the_log():
+    proc = subprocess.run(
+        [sys.executable, "-c", _CRASHING_SUBCOMMAND], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == -signal.SIGABRT
+    assert "Fatal Python error: Aborted" in proc.stderr
+    assert "line 6 in crash" in proc.stderr, proc.stderr[-2000:]
