@@ -298,12 +298,12 @@ def run_broker(
         reports = [cpu.get() for _ in procs]
         producers = sum(r[0] for r in reports)
         lease_wait = sum(r[3] for r in reports) / len(reports)
-        batch_wait /= elapsed
+        batch_wait_share = batch_wait / elapsed
         print(
             f"    producer submits through shared memory {sum(r[1] for r in reports)}, over the wire"
             f" {sum(r[2] for r in reports)}; waiting for leases {lease_wait:.0%} of the"
             f" producers' time (leases come as the trainer's versions admit them), the consumer for"
-            f" batches {batch_wait:.0%} of its own",
+            f" batches {batch_wait_share:.0%} of its own",
             file=sys.stderr,
         )
         for p in procs:
@@ -311,7 +311,7 @@ def run_broker(
         cpu_s = {"producers": producers, "broker": broker, "consumer": consumer}
         host = window.result(sum(cpu_s.values()))
         host["producers_waiting_for_leases"] = round(lease_wait, 3)
-        host["consumer_waiting_for_batches"] = round(batch_wait, 3)
+        host["consumer_waiting_for_batches"] = round(batch_wait_share, 3)
         return elapsed, received, cpu_s, host
     finally:
         for p in procs:
