@@ -85,7 +85,13 @@ def served_engine(model: dict, *overrides: str, log_path: Path, start_timeout_s:
         log_path=log_path,
         start_timeout_s=start_timeout_s,
     )
-    asyncio.run(proc.start())
+
+    async def start() -> None:
+        await proc.start()
+        # its HTTP session belongs to this short-lived loop: closed here, not left for the GC to report
+        await proc.client.close()
+
+    asyncio.run(start())
     try:
         yield proc
     finally:

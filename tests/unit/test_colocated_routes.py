@@ -29,7 +29,7 @@ GREEDY = {"input_ids": [3, 5, 7], "sampling_params": {"max_new_tokens": 8, "temp
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def served(tmp_path_factory):
     with served_engine(
         MODEL,
         "seed=2",
@@ -39,7 +39,19 @@ def engine(tmp_path_factory):
         log_path=tmp_path_factory.mktemp("colocated_routes") / "serve.log",
         start_timeout_s=120,
     ) as proc:
-        yield proc.url
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def engine(served):
+    return served.url
+
+
+def test_the_served_engine_helper_closes_the_http_session_its_start_opened(served):
+    # opened by the health probes on a loop that is gone once the engine is up: left open, the GC
+    # reports it ("Unclosed client session") in whichever test happens to collect it
+    session = served.client._session
+    assert session is not None and session.closed
 
 
 def test_cpu_engine_refuses_cuda_ipc_updates_with_the_way_out(engine):
