@@ -60,7 +60,8 @@ def _gpus() -> int:
 
 def _launch(nproc: int, cases: dict[str, tuple[str, str]], tmp: Path, timeout_s: float = 300) -> dict:
     out = tmp / f"world{nproc}.json"
-    log = tmp / f"world{nproc}.log"
+    # the GPU runner brings $OUT back even when pytest is cut off before it prints a failure's message
+    log = Path(os.environ.get("OUT") or tmp) / f"gpu_parallel_world{nproc}.log"
     args = []
     for dtype in DTYPES:
         flag = "bf16=1" if dtype == "bf16" else ""
