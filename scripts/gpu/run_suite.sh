@@ -9,7 +9,8 @@
 # Everything lands in $OUT: suite.log (all output), junit.xml (pytest), results.json (environment,
 # test outcomes, benchmark figures). Off the device, OUT defaults to out/gpu and PYTHON to python3.
 #
-# Settings (environment): STAGES ("tests bench"), BENCHES (which benchmarks, default the first three of
+# Settings (environment): STAGES ("tests bench"), TESTS (test paths, default tests/gpu; e.g.
+# TESTS=tests/gpu/test_gpu_parallel.py runs that module alone), BENCHES (which benchmarks, default the first three of
 # engine_throughput trainer_throughput weight_sync planner_memory), BUDGET_S (total seconds, 540),
 # PYTEST_ARGS (extra pytest arguments, e.g. "-k engine"), ENGINE_BENCH_ARGS, TRAINER_BENCH_ARGS,
 # WEIGHT_BENCH_ARGS, PLANNER_BENCH_ARGS, COLOCATED_BENCH_ARGS.
@@ -23,6 +24,7 @@ SITE=${SITE:-/tmp/site}
 PKG=${PKG:-/tmp/tidal-pkg}
 WORK=${WORK:-/tmp/tidal-gpu}
 STAGES=${STAGES:-tests bench}
+TESTS=${TESTS:-tests/gpu}
 BENCHES=${BENCHES:-engine_throughput trainer_throughput weight_sync}
 BUDGET_S=${BUDGET_S:-540}
 ENGINE_BENCH_ARGS=${ENGINE_BENCH_ARGS:---dtype bfloat16 --hidden 1024 --layers 16 --vocab 32768 --batch-sizes 1,64,256 --prompt-len 64 --new-tokens 128}
@@ -72,10 +74,10 @@ export PYTHONSAFEPATH=1
 
 tests_rc=skipped
 if [[ " $STAGES " == *" tests "* ]]; then
-    stage "pytest -m gpu tests/gpu"
-    # shellcheck disable=SC2086  # PYTEST_ARGS is a list of arguments
+    stage "pytest -m gpu $TESTS"
+    # shellcheck disable=SC2086  # TESTS and PYTEST_ARGS are lists of arguments
     timeout --kill-after=10 $(($(left) - 60 > 60 ? $(left) - 60 : 60)) \
-        "$PY" -m pytest -m gpu tests/gpu -v -rA --durations=15 -p no:cacheprovider \
+        "$PY" -m pytest -m gpu $TESTS -v -rA --durations=15 -p no:cacheprovider \
         --junitxml "$OUT/junit.xml" ${PYTEST_ARGS:-}
     tests_rc=$?
 fi

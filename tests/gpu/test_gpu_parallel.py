@@ -101,7 +101,8 @@ def runs(tmp_path_factory) -> dict:
     if _gpus() >= 4:
         results.update(_launch(4, FOUR_GPU_CASES, tmp))
     (tmp / "results.json").write_text(json.dumps(results, indent=1))
-    print(json.dumps({k: {m: v[m] for m in ("losses", "grad_norms")} for k, v in results.items()}))
+    shown = ("losses", "grad_norms", "seconds")
+    print(json.dumps({k: {m: v.get(m) for m in shown} for k, v in results.items()}))
     return results
 
 

@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -164,6 +165,7 @@ def main() -> None:
                 json.dump(results, f)
             os.replace(out + ".tmp", out)
 
+    first_rank = os.environ.get("RANK", "0") == "0"  # the process group starts in the first case
     for case in cases:
         name, family, spec = (case.split(":") + [""])[:3]
         opts = dict(p.split("=", 1) for p in spec.split(",") if p)
@@ -175,9 +177,17 @@ def main() -> None:
             dist.barrier()
             os.kill(os.getpid(), signal.SIGKILL)
 
+        # a launch that runs past its time limit shows in its log which case it was in, and how long
+        # the ones before took (the GPU suite's launches have no other trace when they time out)
+        if first_rank:
+            print(f"case {name}: started", flush=True)
+        t0 = time.perf_counter()
         results[name] = run_case(family, opts, int(steps), on_kill)
+        results[name]["seconds"] = round(time.perf_counter() - t0, 2)
         write()
         dist.barrier()
+        if first_rank:
+            print(f"case {name}: done in {results[name]['seconds']} s", flush=True)
     parallel.shutdown()
 
 
