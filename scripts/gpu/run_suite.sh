@@ -10,8 +10,8 @@
 # test outcomes, benchmark figures). Off the device, OUT defaults to out/gpu and PYTHON to python3.
 #
 # Settings (environment): STAGES ("tests bench"), TESTS (test paths, default tests/gpu; e.g.
-# TESTS=tests/gpu/test_gpu_parallel.py runs that module alone), BENCHES (which benchmarks, default the first three of
-# engine_throughput trainer_throughput weight_sync planner_memory), BUDGET_S (total seconds, 540),
+# TESTS=tests/gpu/test_gpu_parallel.py runs that module alone), BENCHES (which benchmarks, default the
+# first three of engine_throughput trainer_throughput weight_sync planner_memory), BUDGET_S (total seconds, 540),
 # PYTEST_ARGS (extra pytest arguments, e.g. "-k engine"), ENGINE_BENCH_ARGS, TRAINER_BENCH_ARGS,
 # WEIGHT_BENCH_ARGS, PLANNER_BENCH_ARGS, COLOCATED_BENCH_ARGS.
 set -uo pipefail

@@ -158,14 +158,14 @@ def main() -> None:
     faulthandler.enable()  # a native crash shows the Python stacks in the launch's log
     out, steps, *cases = sys.argv[1:]
     results = {}
+    first_rank = os.environ.get("RANK", "0") == "0"  # the process group starts in the first case
 
     def write() -> None:
-        if dist.get_rank() == 0:
+        if first_rank:
             with open(out + ".tmp", "w") as f:
                 json.dump(results, f)
             os.replace(out + ".tmp", out)
 
-    first_rank = os.environ.get("RANK", "0") == "0"  # the process group starts in the first case
     for case in cases:
         name, family, spec = (case.split(":") + [""])[:3]
         opts = dict(p.split("=", 1) for p in spec.split(",") if p)
