@@ -81,6 +81,13 @@ class BrokerConfig(BaseModel):
     node_timeout_s: float = Field(30.0, gt=0)
     max_frame_bytes: int = Field(256 << 20, gt=0)
     io_threads: int = Field(1, ge=1, description="ZeroMQ I/O threads of the broker's socket")
+    status_every_s: float = Field(
+        30.0,
+        ge=0,
+        description="0: off. Else the broker logs a status line this often: nodes alive by role, policy "
+        "version, queue, groups in flight and buffered, groups accepted (samples/s and MB/s since the last "
+        "line), batches cut and consumed, dropped, filtered, expired, rejected, bad frames, the cursor",
+    )
     memory_reads: bool = Field(
         True,
         description="a consumer on the broker's host may copy a batch's group frames out of the broker's "

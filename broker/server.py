@@ -32,6 +32,7 @@ from tidal.broker.curve import configure_server
 from tidal.broker.local_journal import host_id
 from tidal.broker.state import BrokerState
 from tidal.broker.state_records import CutBatch, Node
+from tidal.broker.status_line import status_line
 from tidal.broker.submit_memory import SubmitArena, can_share
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,8 @@ class BrokerServer:
         self._fd = self.sock.getsockopt(zmq.FD)
         self._drain_scheduled = False
         self.tick_s = min(0.25, config.lease_timeout_s / 4, config.node_timeout_s / 4)
+        self._status_at = 0.0
+        self._status_prev: dict[str, Any] = {}
         self.host = host_id()
         # Where local readers find the journal (compaction replaces the file under the same path).
         self._journal_path = str(state.journal.path.resolve()) if state.journal is not None else ""
@@ -112,6 +115,9 @@ class BrokerServer:
         self._loop = asyncio.get_running_loop()
         if self.state.journal is not None:
             self.state.journal.on_durable = self._on_durable
+        # rates in the first status line count from here (a restart's replayed groups are not news)
+        self._status_at = time.time()
+        self._status_prev = self.stats(self._status_at)
         tasks = [asyncio.create_task(self._ticker(stop))]
         if self._monitor is not None:
             tasks.append(asyncio.create_task(self._watch_auth()))
@@ -183,7 +189,15 @@ class BrokerServer:
             self._commit()
             self._kick()
             self.snapshot = self.stats(now)
+            self._log_status(now)
             await asyncio.sleep(self.tick_s)
+
+    def _log_status(self, now: float) -> None:
+        every = self.cfg.status_every_s
+        if not every or now - self._status_at < every:
+            return
+        log.info(status_line(self.snapshot, self._status_prev, now - self._status_at))
+        self._status_at, self._status_prev = now, self.snapshot
 
     async def _watch_auth(self) -> None:
         from zmq.utils.monitor import recv_monitor_message

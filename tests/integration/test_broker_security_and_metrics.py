@@ -1,4 +1,5 @@
-"""CURVE: only clients with an allowed key are served. Prometheus endpoint: the same figures as stats."""
+"""CURVE: only clients with an allowed key are served. Prometheus endpoint and the log's status lines: the
+same figures as stats."""
 
 import asyncio
 import time
@@ -69,7 +70,7 @@ def _metrics(port):
     return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
 
 
-def test_stats_and_prometheus_report_queue_flight_staleness_and_throughput(tmp_path):
+def test_stats_prometheus_and_status_lines_report_queue_flight_staleness_and_throughput(tmp_path):
     metrics_port = free_port()
     proc, address = start_broker(
         tmp_path,
@@ -79,6 +80,7 @@ def test_stats_and_prometheus_report_queue_flight_staleness_and_throughput(tmp_p
         max_staleness=1,
         dynamic_sampling=True,
         metrics_port=metrics_port,
+        status_every_s=0.3,
     )
     try:
         with BrokerClient(address, timeout_s=10) as node, BrokerClient(address, timeout_s=10) as trainer:
@@ -115,5 +117,17 @@ def test_stats_and_prometheus_report_queue_flight_staleness_and_throughput(tmp_p
         assert m["tidal_broker_samples_per_second"] > 0
         assert m["tidal_broker_journal_packed_groups_total"] == 2
         assert m["tidal_broker_journal_packed_bytes_saved_total"] == stats["journal"]["packed_bytes_saved"]
+
+        log = tmp_path / "broker.log"
+        want = "policy version 1; queue 7 groups, in flight 0"
+        for _ in range(50):  # a line every 0.3 s
+            lines = [line for line in log.read_text().splitlines() if "status: " in line]
+            if lines and want in lines[-1]:
+                break
+            time.sleep(0.1)
+        line = lines[-1]
+        assert want in line, line
+        assert "nodes alive 1 trainer;" in line and "accepted 2 groups" in line, line
+        assert "batches cut 1" in line and "filtered 1," in line and "bad frames 0" in line, line
     finally:
         stop(proc)

@@ -1,0 +1,39 @@
+"""The broker's periodic status line: what an operator watching its log wants to know at a glance.
+
+Built from two ``stats`` snapshots (this one and the one at the previous line), so rates are over the
+interval between lines rather than the stats' fixed 10 s window."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _rate(now: dict[str, Any], prev: dict[str, Any], key: str, elapsed_s: float) -> float:
+    if elapsed_s <= 0:
+        return 0.0
+    return (now["counters"][key] - prev["counters"][key]) / elapsed_s
+
+
+def status_line(now: dict[str, Any], prev: dict[str, Any], elapsed_s: float) -> str:
+    """One line from the stats snapshot ``now`` and ``prev``, taken ``elapsed_s`` before it (the previous
+    line's, or the broker's at its start)."""
+    roles: dict[str, int] = {}
+    for node in now["nodes"].values():
+        if node["alive"]:
+            roles[node["role"]] = roles.get(node["role"], 0) + 1
+    alive = ", ".join(f"{count} {role}" for role, count in sorted(roles.items())) or "none"
+    c = now["counters"]
+    batches = now["batches"]
+    errors = sum(now.get("errors", {}).values())
+    return (
+        f"status: nodes alive {alive}; policy version {now['policy_version']}; "
+        f"queue {now['queue_depth']} groups, in flight {now['in_flight_groups']}, "
+        f"buffered {now['buffered_groups']}; "
+        f"accepted {c['accepted_groups']} groups ({_rate(now, prev, 'accepted_samples', elapsed_s):.0f} samples/s, "
+        f"{_rate(now, prev, 'accepted_bytes', elapsed_s) / 1e6:.1f} MB/s since the last line); "
+        f"batches cut {c['batches_cut']}, consumed through {batches['consumed']}; "
+        f"dropped stale {c['dropped_stale_groups']}, filtered {c['filtered_groups']}, "
+        f"expired leases {c['expired_leases']}, rejected submissions {c['rejected_submissions']}, "
+        f"bad frames {c['bad_frames']}, error replies {errors}; "
+        f"epoch {now['cursor']['epoch']} at row {now['cursor']['pos']} of {now['cursor']['rows']}"
+    )

@@ -1,0 +1,33 @@
+"""The broker's periodic status line, from two stats snapshots of a real BrokerState."""
+
+from tidal.broker.codec import encode_group
+from tidal.broker.config import BrokerConfig
+from tidal.broker.source import PromptSource, load_rows
+from tidal.broker.state import BrokerState
+from tidal.broker.status_line import status_line
+from tidal.broker.testing import fake_group, write_rows
+
+T0 = 1_000_000.0
+
+
+def test_status_line_names_nodes_queue_batches_counts_and_the_rate_since_the_last_line(tmp_path):
+    config = BrokerConfig(group_size=2, batch_groups=2, max_staleness=1)
+    state = BrokerState(
+        config,
+        PromptSource(load_rows(write_rows(tmp_path / "d.jsonl", 10)), seed=0, shuffle=True, epochs=1),
+        None,
+    )
+    before = state.stats(T0)
+    node = state.register(b"a", "rollout", "a", {}, T0)
+    state.register(b"b", "rollout", "b", {}, T0)
+    state.register(b"t", "trainer", "t", {}, T0)
+    lease = state.lease(node, 3, T0)
+    state.submit(node, lease.lease_id, [encode_group(fake_group(pg)) for pg in lease.groups[:2]], T0)
+    state.get_batch(-1, 2)
+    after = state.stats(T0 + 2)
+    line = status_line(after, before, 2.0)
+    assert line.startswith("status: nodes alive 2 rollout, 1 trainer; policy version 0; ")
+    assert "queue 7 groups, in flight 1, buffered 0;" in line
+    # 2 groups of 2 samples in 2 s
+    assert "accepted 2 groups (2 samples/s," in line and "batches cut 1, consumed through -1;" in line
+    assert "dropped stale 0, filtered 0," in line and "epoch 0 at row 3 of 10" in line
