@@ -57,6 +57,7 @@ from tidal.broker.types import Group, Sample
 from tidal.procs import free_port, stop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import free_codec  # noqa: E402
 from broker_baselines import (  # noqa: E402
     BATCH_WAIT_S,
     META,
@@ -423,8 +424,21 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="extra environment of the broker process, e.g. GLIBC_TUNABLES=glibc.malloc.hugetlb=1",
     )
+    ap.add_argument(
+        "--free-codec",
+        choices=free_codec.LEVELS,
+        default=None,
+        help="analysis only: the codec's work in every process replaced by the least a native codec could "
+        "still do (encode_inspect: encode one copy of a template frame, inspect the header's parse, decode "
+        "without validation; all: decoding free too), to bound what one would gain (benchmarks/free_codec.py)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
+    if args.free_codec:
+        free_codec.install(args.free_codec)  # here: the consumer and the producers forked from this process
+        site = str(Path(__file__).resolve().parent / "free_codec_site")
+        path = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)
+        args.broker_env += [f"{free_codec.ENV}={args.free_codec}", f"PYTHONPATH={path}"]
 
     methods = ["zmq", "broker"]
     if not args.no_ray:
