@@ -40,6 +40,27 @@ class CurveClientKeys:
         sock.curve_serverkey = self.server_public_key
 
 
+def client_keys(
+    secret_key_file: str | None, server_key_file: str | None, prefix: str
+) -> CurveClientKeys | None:
+    """A client's keys from its config (``PREFIX.curve_secret_key_file`` and ``PREFIX.curve_server_key_file``,
+    both or neither: the config models check that); None without CURVE. A missing or wrong file is a
+    ConfigError naming the key."""
+    if secret_key_file is None or server_key_file is None:
+        return None
+    for key, path in (("curve_secret_key_file", secret_key_file), ("curve_server_key_file", server_key_file)):
+        if not Path(path).is_file():
+            raise ConfigError(f"{prefix}.{key}={path!r}: no such file")
+    try:
+        return CurveClientKeys.from_files(secret_key_file, server_key_file)
+    except ConfigError as exc:  # a public certificate where the secret one belongs
+        raise ConfigError(f"{prefix}.curve_secret_key_file={secret_key_file!r}: {exc}") from None
+    except (ValueError, OSError) as exc:  # not a ZeroMQ certificate
+        raise ConfigError(
+            f"{prefix}.curve_secret_key_file / curve_server_key_file: not ZeroMQ certificates: {exc}"
+        ) from None
+
+
 def create_keys(directory: str | Path, name: str) -> tuple[Path, Path]:
     """Write ``NAME.key`` (public) and ``NAME.key_secret`` into ``directory``; returns both paths."""
     directory = Path(directory)

@@ -159,20 +159,18 @@ def load_task(config):
 
 async def run_node(config, broker: str, name: str, engine_urls: list[str]) -> int:
     from tidal.broker.client import AsyncBrokerClient
-    from tidal.broker.curve import CurveClientKeys
+    from tidal.broker.curve import client_keys
     from tidal.rollout.agent import RolloutAgent
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    agent_cfg = config.rollout.agent
+    curve = client_keys(agent_cfg.curve_secret_key_file, agent_cfg.curve_server_key_file, "rollout.agent")
     node_dir = Path(config.run_dir) / "nodes" / name
     node_dir.mkdir(parents=True, exist_ok=True)
     pool = build_pool(config, engine_urls, node_dir)
-    agent_cfg = config.rollout.agent
-    curve = None
-    if agent_cfg.curve_secret_key_file:
-        curve = CurveClientKeys.from_files(agent_cfg.curve_secret_key_file, agent_cfg.curve_server_key_file)
     client = AsyncBrokerClient(broker, curve=curve, timeout_s=agent_cfg.broker_timeout_s)
     task = None
     try:

@@ -222,6 +222,15 @@ def run_phase(sup: Supervisor, spec: ProcessSpec, poll_s: float = 0.5) -> None:
         time.sleep(poll_s)
 
 
+def check_curve_keys(config: RunConfig) -> None:
+    """The nodes' and the trainer's CURVE key files, where set, before anything starts."""
+    from tidal.broker.curve import client_keys
+
+    agent, tc = config.rollout.agent, config.trainer
+    client_keys(agent.curve_secret_key_file, agent.curve_server_key_file, "rollout.agent")
+    client_keys(tc.curve_secret_key_file, tc.curve_server_key_file, "trainer")
+
+
 def main(config: RunConfig, args: list[str]) -> int:
     opts = parse_options(args)
     if opts.resume:
@@ -230,6 +239,7 @@ def main(config: RunConfig, args: list[str]) -> int:
         config = _with(config, {"broker.max_staleness": 0})
     placement = plan_placement(config)  # a device combination that cannot run fails before anything starts
     config = _with(config, placement.overrides)
+    check_curve_keys(config)
     from tidal.rollout.tasks import prepare_task
 
     rd = RunDir(config.run_dir)
@@ -335,8 +345,12 @@ def control_spec(
 def run_grpo(config: RunConfig, rd: RunDir, sup: Supervisor, view, files, placement: Placement) -> float:
     """Broker + rollout nodes + trainer until the trainer finishes its steps; returns the wall time."""
     from tidal.broker.client import BrokerClient
+    from tidal.broker.curve import client_keys
     from tidal.live_view import read_metrics
 
+    # the live view's stats, with the trainer's keys where the broker wants CURVE (checked before starting)
+    tc = config.trainer
+    curve = client_keys(tc.curve_secret_key_file, tc.curve_server_key_file, "trainer")
     port = int(config.broker.bind.rsplit(":", 1)[1])
     host = config.broker.bind.split("//", 1)[1].rsplit(":", 1)[0]
     data_override = f"broker.data.path={files.train}"
@@ -384,7 +398,7 @@ def run_grpo(config: RunConfig, rd: RunDir, sup: Supervisor, view, files, placem
     t0 = time.time()
     sup.start(trainer)
     pos = 0
-    client = BrokerClient(config.broker.bind, timeout_s=5.0)
+    client = BrokerClient(config.broker.bind, timeout_s=5.0, curve=curve)
     last_stats = 0.0
     try:
         while True:

@@ -179,6 +179,20 @@ class TrainerConfig(BaseModel):
     batch_timeout_s: float = Field(
         600.0, gt=0, description="how long to wait for the broker's next batch before giving up"
     )
+    curve_secret_key_file: str | None = Field(
+        None,
+        description="the trainer's ZeroMQ CURVE secret certificate (.key_secret) for a broker with "
+        "broker.curve.enabled; None: no CURVE",
+    )
+    curve_server_key_file: str | None = Field(None, description="the broker's public certificate (.key)")
+
+    @model_validator(mode="after")
+    def _check_curve(self) -> TrainerConfig:
+        if (self.curve_secret_key_file is None) != (self.curve_server_key_file is None):
+            raise ValueError(
+                "CURVE needs both trainer.curve_secret_key_file and trainer.curve_server_key_file"
+            )
+        return self
 
 
 def check_fsdp2_mesh(kind: str, pp: int) -> None:

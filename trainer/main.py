@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from tidal.broker.curve import client_keys
 from tidal.config import RunConfig
 from tidal.errors import ConfigError
 from tidal.trainer.flags import parse_flags
@@ -50,13 +51,13 @@ def parse_options(args: list[str]) -> TrainOptions:
 class _BatchFeed:
     """Rank 0's broker connection: batches fetched one ahead in a thread; the rest on the main thread."""
 
-    def __init__(self, address: str, timeout_s: float):
+    def __init__(self, address: str, timeout_s: float, curve=None):
         from tidal.broker.client import BrokerClient
 
         self.address = address
         self.timeout_s = timeout_s
-        self.fetcher = BrokerClient(address)
-        self.control = BrokerClient(address)
+        self.fetcher = BrokerClient(address, curve=curve)
+        self.control = BrokerClient(address, curve=curve)
         self.control.register("trainer", f"trainer-{dist.get_world_size()}ranks")
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
         self.pending: tuple[int, concurrent.futures.Future] | None = None
@@ -131,6 +132,7 @@ def main(config: RunConfig, args: list[str]) -> int:
     opts = parse_options(args)
     tc = config.trainer
     check_loss_setup(tc.loss, tc.minibatches_per_batch)
+    curve = client_keys(tc.curve_secret_key_file, tc.curve_server_key_file, "trainer")  # before any model
     run_dir = Path(config.run_dir)
     out = Path(opts.out) if opts.out else run_dir / "train"
     export = Path(opts.export) if opts.export else run_dir / "final_hf"
@@ -140,7 +142,11 @@ def main(config: RunConfig, args: list[str]) -> int:
     progress = trainer.resume(out) if resuming else None
     if progress is None:
         progress = Progress()
-    feed = _BatchFeed(opts.broker or config.broker.bind, tc.batch_timeout_s) if trainer.rank == 0 else None
+    feed = (
+        _BatchFeed(opts.broker or config.broker.bind, tc.batch_timeout_s, curve)
+        if trainer.rank == 0
+        else None
+    )
     writer = MetricsWriter(run_dir) if trainer.rank == 0 else None
     push = _WeightPush(config, trainer, feed)
     try:

@@ -9,11 +9,15 @@ must continue the policy version and ask for the next batch, never repeating one
 It trains fully sharded (``fsdp2``) with recomputed proximal logprobs (token-level TIS) and a KL term to a
 reference model, two minibatches per batch: the proximal logprobs are the batch's starting policy, so the
 PPO ratio is exactly 1 on a batch's first minibatch step and not on its second (one update later).
+
+The broker asks for CURVE, as on a shared network (docs/multinode.md): the node and the trainer connect
+with their own allowed keys (``trainer.curve_*_key_file``).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -22,12 +26,24 @@ from pathlib import Path
 import pytest
 
 from tidal.broker.client import BrokerClient
+from tidal.broker.curve import CurveClientKeys, create_keys
 from tidal.broker.testing import fake_group, start_broker
 from tidal.procs import free_port, stop
 
 
-def _feed(address: str, stop_event: threading.Event) -> None:
-    with BrokerClient(address, timeout_s=10) as client:
+def _keys(tmp: Path) -> dict[str, Path]:
+    """The broker's key pair and allowed keys for a node and the trainer."""
+    keys = {}
+    (tmp / "allowed").mkdir()
+    for name in ("broker", "node", "trainer"):
+        keys[name], keys[f"{name}_secret"] = create_keys(tmp / "keys", name)
+        if name != "broker":
+            shutil.copy(keys[name], tmp / "allowed")
+    return keys
+
+
+def _feed(address: str, curve: CurveClientKeys, stop_event: threading.Event) -> None:
+    with BrokerClient(address, timeout_s=10, curve=curve) as client:
         client.register("rollout", "scripted-node")
         while not stop_event.is_set():
             lease = client.lease(4)
@@ -40,7 +56,7 @@ def _feed(address: str, stop_event: threading.Event) -> None:
             )
 
 
-def _train(tmp: Path, address: str, steps: int) -> subprocess.CompletedProcess:
+def _train(tmp: Path, address: str, steps: int, keys: dict[str, Path]) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable,
         "-m",
@@ -63,6 +79,8 @@ def _train(tmp: Path, address: str, steps: int) -> subprocess.CompletedProcess:
         "trainer.loss.tis=token",
         "trainer.loss.kl_coef=0.01",
         f"broker.bind={address}",
+        f"trainer.curve_secret_key_file={keys['trainer_secret']}",
+        f"trainer.curve_server_key_file={keys['broker']}",
         "--out",
         str(tmp / "train"),
     ]
@@ -71,18 +89,26 @@ def _train(tmp: Path, address: str, steps: int) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_train_pulls_batches_checkpoints_and_resumes(tmp_path):
+    keys = _keys(tmp_path)
+    curve = {
+        "enabled": True,
+        "server_secret_key_file": str(keys["broker_secret"]),
+        "allowed_client_keys_dir": str(tmp_path / "allowed"),
+    }
     broker, address = start_broker(
-        tmp_path / "broker", rows=64, group_size=4, batch_groups=2, max_staleness=4
+        tmp_path / "broker", rows=64, group_size=4, batch_groups=2, max_staleness=4, curve=curve
     )
+    node_keys = CurveClientKeys.from_files(keys["node_secret"], keys["broker"])
     stop_event = threading.Event()
-    feeder = threading.Thread(target=_feed, args=(address, stop_event), daemon=True)
+    feeder = threading.Thread(target=_feed, args=(address, node_keys, stop_event), daemon=True)
     feeder.start()
     try:
-        first = _train(tmp_path, address, steps=4)
+        first = _train(tmp_path, address, steps=4, keys=keys)
         assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-5000:]
-        second = _train(tmp_path, address, steps=6)
+        second = _train(tmp_path, address, steps=6, keys=keys)
         assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-5000:]
-        with BrokerClient(address, timeout_s=10) as client:
+        trainer_keys = CurveClientKeys.from_files(keys["trainer_secret"], keys["broker"])
+        with BrokerClient(address, timeout_s=10, curve=trainer_keys) as client:
             version = client.policy_version()
     finally:
         stop_event.set()
