@@ -14,9 +14,17 @@ def _rate(now: dict[str, Any], prev: dict[str, Any], key: str, elapsed_s: float)
     return (now["counters"][key] - prev["counters"][key]) / elapsed_s
 
 
-def status_line(now: dict[str, Any], prev: dict[str, Any], elapsed_s: float) -> str:
+def status_line(now: dict[str, Any], prev: dict[str, Any] | None, elapsed_s: float = 0.0) -> str:
     """One line from the stats snapshot ``now`` and ``prev``, taken ``elapsed_s`` before it (the previous
-    line's, or the broker's at its start)."""
+    line's, or the broker's at its start); without ``prev``, the rates of the stats' own window."""
+    if prev is None:
+        window = now["throughput"]
+        samples_s, bytes_s = window["samples_per_s"], window["bytes_per_s"]
+        over = f"over the last {window['window_s']:.0f} s"
+    else:
+        samples_s = _rate(now, prev, "accepted_samples", elapsed_s)
+        bytes_s = _rate(now, prev, "accepted_bytes", elapsed_s)
+        over = "since the last line"
     roles: dict[str, int] = {}
     for node in now["nodes"].values():
         if node["alive"]:
@@ -29,8 +37,7 @@ def status_line(now: dict[str, Any], prev: dict[str, Any], elapsed_s: float) -> 
         f"status: nodes alive {alive}; policy version {now['policy_version']}; "
         f"queue {now['queue_depth']} groups, in flight {now['in_flight_groups']}, "
         f"buffered {now['buffered_groups']}; "
-        f"accepted {c['accepted_groups']} groups ({_rate(now, prev, 'accepted_samples', elapsed_s):.0f} samples/s, "
-        f"{_rate(now, prev, 'accepted_bytes', elapsed_s) / 1e6:.1f} MB/s since the last line); "
+        f"accepted {c['accepted_groups']} groups ({samples_s:.0f} samples/s, {bytes_s / 1e6:.1f} MB/s {over}); "
         f"batches cut {c['batches_cut']}, consumed through {batches['consumed']}; "
         f"dropped stale {c['dropped_stale_groups']}, filtered {c['filtered_groups']}, "
         f"expired leases {c['expired_leases']}, rejected submissions {c['rejected_submissions']}, "

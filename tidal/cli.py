@@ -30,6 +30,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("tidal.weights_sync.convert", "convert Hugging Face <-> megatron-core checkpoints"),
     "plan": ("tidal.plan", "check a mesh and estimate memory per GPU"),
     "keys": ("tidal.keys", "create ZeroMQ CURVE key pairs: tidal keys DIR NAME [NAME ...]"),
+    "stats": (
+        "tidal.broker_stats",
+        "print a running broker's stats: tidal stats --broker ADDR [--format json]",
+    ),
     "config": ("tidal.cli", "print the resolved config"),
 }
 
@@ -54,6 +58,9 @@ VALUE_FLAGS = {
     "--mode",
     "--from",
     "--to",
+    "--format",
+    "--watch",
+    "--timeout",
 }
 
 

@@ -2,6 +2,7 @@
 same figures as stats."""
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -131,3 +132,30 @@ def test_stats_prometheus_and_status_lines_report_queue_flight_staleness_and_thr
         assert "batches cut 1" in line and "filtered 1," in line and "bad frames 0" in line, line
     finally:
         stop(proc)
+
+
+def test_tidal_stats_prints_the_status_line_nodes_and_json(tmp_path, capsys):
+    from tidal.cli import main as cli_main
+
+    proc, address = start_broker(tmp_path, 10, group_size=2, batch_groups=2)
+    try:
+        with BrokerClient(address, timeout_s=10) as node:
+            node.register("rollout", "n0")
+            lease = node.lease(2)
+            node.submit(lease.lease_id, [fake_group(pg) for pg in lease.groups])
+            assert cli_main(["stats", "--broker", address]) == 0
+            status, node_line = capsys.readouterr().out.splitlines()
+            assert status.startswith("status: nodes alive 1 rollout; policy version 0; queue 8 groups")
+            assert "accepted 2 groups (" in status and "over the last 10 s" in status
+            assert (
+                node_line.split()[1:4] == ["rollout", "'n0'", "alive,"] and "0 groups in flight" in node_line
+            )
+            assert cli_main(["stats", f"--broker={address}", "--format", "json"]) == 0
+            stats = json.loads(capsys.readouterr().out)
+            assert stats["counters"]["accepted_groups"] == 2 and stats["nodes_alive"] == 1
+    finally:
+        stop(proc)
+    assert cli_main(["stats", "--broker", address, "--timeout", "0.5"]) == 1  # nobody answers
+    assert "tidal stats:" in capsys.readouterr().err
+    assert cli_main(["stats", "--broker", address, "--format", "yaml"]) == 2
+    assert "--format='yaml'; use text or json" in capsys.readouterr().err
