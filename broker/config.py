@@ -66,6 +66,15 @@ class CurveConfig(BaseModel):
     allowed_client_keys_dir: str | None = None
 
 
+def check_curve_pair(secret_key_file: str | None, server_key_file: str | None, prefix: str) -> None:
+    """A client's CURVE settings (``PREFIX.curve_secret_key_file`` and ``PREFIX.curve_server_key_file``) go
+    together; raises ValueError (the config model's error) for one without the other."""
+    if (secret_key_file is None) != (server_key_file is None):
+        raise ValueError(
+            f"CURVE needs both {prefix}.curve_secret_key_file and {prefix}.curve_server_key_file"
+        )
+
+
 class BrokerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

@@ -6,6 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tidal.broker.config import check_curve_pair
+
 
 class SamplingConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -174,10 +176,7 @@ class AgentConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_curve(self) -> AgentConfig:
-        if (self.curve_secret_key_file is None) != (self.curve_server_key_file is None):
-            raise ValueError(
-                "CURVE needs both rollout.agent.curve_secret_key_file and rollout.agent.curve_server_key_file"
-            )
+        check_curve_pair(self.curve_secret_key_file, self.curve_server_key_file, "rollout.agent")
         return self
 
 

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tidal.broker.config import check_curve_pair
 from tidal.trainer.mesh import MeshConfig
 
 
@@ -188,10 +189,7 @@ class TrainerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_curve(self) -> TrainerConfig:
-        if (self.curve_secret_key_file is None) != (self.curve_server_key_file is None):
-            raise ValueError(
-                "CURVE needs both trainer.curve_secret_key_file and trainer.curve_server_key_file"
-            )
+        check_curve_pair(self.curve_secret_key_file, self.curve_server_key_file, "trainer")
         return self
 
 
