@@ -1,11 +1,15 @@
 """The many-machines layout of docs/multinode.md, on one machine with processes started by hand: `tidal
 broker`, `tidal rollout --broker ...` nodes and `torchrun -m tidal.cli train --broker ...`. A second node
-joins mid-run, the first leaves with SIGTERM, and the second finishes the job's remaining steps."""
+joins mid-run, the first leaves with SIGTERM, and the second finishes the job's remaining steps.
+
+As on a shared network (docs/multinode.md, CURVE), the broker serves only allowed keys: each node and the
+trainer connect with their own, set in the job's config."""
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tidal.bootstrap import init_hf_model
+from tidal.broker.curve import create_keys
 from tidal.config import RunConfig
 from tidal.configio import dump_config, load_config
 from tidal.procs import free_port, wait_for_tcp
@@ -58,10 +63,25 @@ def test_broker_nodes_and_trainer_started_by_hand_with_a_node_joining_and_one_le
     logs.mkdir()
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
+    keys = tmp_path / "keys"
+    for name in ("broker", "node", "trainer"):
+        create_keys(keys, name)
+    (tmp_path / "allowed").mkdir()
+    for name in ("node", "trainer"):
+        shutil.copy(keys / f"{name}.key", tmp_path / "allowed")
+    curve = [
+        "broker.curve.enabled=true",
+        f"broker.curve.server_secret_key_file={keys / 'broker.key_secret'}",
+        f"broker.curve.allowed_client_keys_dir={tmp_path / 'allowed'}",
+        f"rollout.agent.curve_secret_key_file={keys / 'node.key_secret'}",
+        f"rollout.agent.curve_server_key_file={keys / 'broker.key'}",
+        f"trainer.curve_secret_key_file={keys / 'trainer.key_secret'}",
+        f"trainer.curve_server_key_file={keys / 'broker.key'}",
+    ]
     config = load_config(
         RunConfig,
         "configs/tiny.yaml",
-        [f"run_dir={run_dir}", "task.num_train=2000", "task.num_eval=50", "broker.batch_groups=4"],
+        [f"run_dir={run_dir}", "task.num_train=2000", "task.num_eval=50", "broker.batch_groups=4", *curve],
     )
     files = prepare_task(config, run_dir)
     init = init_hf_model(config.model, files.tokenizer, run_dir / "init_hf")
