@@ -1,7 +1,7 @@
-"""The broker's periodic status line: what an operator watching its log wants to know at a glance.
+"""The broker's status line: what an operator watching its log (or ``tidal stats``) wants at a glance.
 
 Built from two ``stats`` snapshots (this one and the one at the previous line), so rates are over the
-interval between lines rather than the stats' fixed 10 s window."""
+interval between lines; from one snapshot alone, over the stats' own 10 s window."""
 
 from __future__ import annotations
 

@@ -58,19 +58,19 @@ def main(config, args: list[str]) -> int:
     with BrokerClient(address, curve=curve, timeout_s=opts.timeout) as client:
         try:
             stats = client.stats()
+            if opts.format == "json":
+                print(json.dumps(stats, indent=2, sort_keys=True))
+                return 0
+            print(status_line(stats, None))
+            print("\n".join(node_lines(stats)), flush=True)
+            last, at = stats, time.monotonic()
+            while opts.watch:
+                time.sleep(opts.watch)
+                stats = client.stats()
+                now = time.monotonic()
+                print(status_line(stats, last, now - at), flush=True)
+                last, at = stats, now
         except BrokerTimeout as exc:
             print(f"tidal stats: {exc}", file=sys.stderr)
             return 1
-        if opts.format == "json":
-            print(json.dumps(stats, indent=2, sort_keys=True))
-            return 0
-        print(status_line(stats, None))
-        print("\n".join(node_lines(stats)))
-        last, at = stats, time.monotonic()
-        while opts.watch:
-            time.sleep(opts.watch)
-            stats = client.stats()
-            now = time.monotonic()
-            print(status_line(stats, last, now - at), flush=True)
-            last, at = stats, now
     return 0
