@@ -14,6 +14,7 @@ settings (nested ones as dicts: ``journal={"fsync": "always"}``). The journal li
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,21 @@ def start_broker(
         stop(proc)
         raise RuntimeError(f"broker did not start: {exc}\n--- {log}:\n{tail(log)}") from None
     return proc, address
+
+
+def make_curve_keys(directory: str | Path, clients: tuple[str, ...] = ("node", "trainer")) -> dict[str, Path]:
+    """Key pairs for a broker and ``clients`` in ``directory/keys``, the clients' public keys allowed in
+    ``directory/allowed``: ``{name: public, name_secret: secret, "allowed": dir}``."""
+    from tidal.broker.curve import create_keys
+
+    directory = Path(directory)
+    keys = {"allowed": directory / "allowed"}
+    keys["allowed"].mkdir(parents=True)
+    for name in ("broker", *clients):
+        keys[name], keys[f"{name}_secret"] = create_keys(directory / "keys", name)
+        if name != "broker":
+            shutil.copy(keys[name], keys["allowed"])
+    return keys
 
 
 def fake_group(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tidal.bootstrap import init_hf_model
-from tidal.broker.curve import create_keys
+from tidal.broker.testing import make_curve_keys
 from tidal.config import RunConfig
 from tidal.configio import dump_config, load_config
 from tidal.procs import free_port, wait_for_tcp
@@ -63,20 +62,15 @@ def test_broker_nodes_and_trainer_started_by_hand_with_a_node_joining_and_one_le
     logs.mkdir()
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
-    keys = tmp_path / "keys"
-    for name in ("broker", "node", "trainer"):
-        create_keys(keys, name)
-    (tmp_path / "allowed").mkdir()
-    for name in ("node", "trainer"):
-        shutil.copy(keys / f"{name}.key", tmp_path / "allowed")
+    keys = make_curve_keys(tmp_path)
     curve = [
         "broker.curve.enabled=true",
-        f"broker.curve.server_secret_key_file={keys / 'broker.key_secret'}",
-        f"broker.curve.allowed_client_keys_dir={tmp_path / 'allowed'}",
-        f"rollout.agent.curve_secret_key_file={keys / 'node.key_secret'}",
-        f"rollout.agent.curve_server_key_file={keys / 'broker.key'}",
-        f"trainer.curve_secret_key_file={keys / 'trainer.key_secret'}",
-        f"trainer.curve_server_key_file={keys / 'broker.key'}",
+        f"broker.curve.server_secret_key_file={keys['broker_secret']}",
+        f"broker.curve.allowed_client_keys_dir={keys['allowed']}",
+        f"rollout.agent.curve_secret_key_file={keys['node_secret']}",
+        f"rollout.agent.curve_server_key_file={keys['broker']}",
+        f"trainer.curve_secret_key_file={keys['trainer_secret']}",
+        f"trainer.curve_server_key_file={keys['broker']}",
     ]
     config = load_config(
         RunConfig,

@@ -17,7 +17,6 @@ with their own allowed keys (``trainer.curve_*_key_file``).
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import threading
@@ -26,20 +25,9 @@ from pathlib import Path
 import pytest
 
 from tidal.broker.client import BrokerClient
-from tidal.broker.curve import CurveClientKeys, create_keys
-from tidal.broker.testing import fake_group, start_broker
+from tidal.broker.curve import CurveClientKeys
+from tidal.broker.testing import fake_group, make_curve_keys, start_broker
 from tidal.procs import free_port, stop
-
-
-def _keys(tmp: Path) -> dict[str, Path]:
-    """The broker's key pair and allowed keys for a node and the trainer."""
-    keys = {}
-    (tmp / "allowed").mkdir()
-    for name in ("broker", "node", "trainer"):
-        keys[name], keys[f"{name}_secret"] = create_keys(tmp / "keys", name)
-        if name != "broker":
-            shutil.copy(keys[name], tmp / "allowed")
-    return keys
 
 
 def _feed(address: str, curve: CurveClientKeys, stop_event: threading.Event) -> None:
@@ -89,11 +77,11 @@ def _train(tmp: Path, address: str, steps: int, keys: dict[str, Path]) -> subpro
 
 @pytest.mark.slow
 def test_train_pulls_batches_checkpoints_and_resumes(tmp_path):
-    keys = _keys(tmp_path)
+    keys = make_curve_keys(tmp_path)
     curve = {
         "enabled": True,
         "server_secret_key_file": str(keys["broker_secret"]),
-        "allowed_client_keys_dir": str(tmp_path / "allowed"),
+        "allowed_client_keys_dir": str(keys["allowed"]),
     }
     broker, address = start_broker(
         tmp_path / "broker", rows=64, group_size=4, batch_groups=2, max_staleness=4, curve=curve
