@@ -84,6 +84,9 @@ _CHILD = textwrap.dedent(
         dist.all_gather_into_tensor(gathered, torch.ones(4), async_op=True)
     result["cpu_support"]["fsdp_gather_done_at_exit"] = gathered.tolist() == [1.0] * 4
     result["cpu_support"]["fsdp_gathers_left_pending"] = len(manager.works)
+    # gloo's threads must stop before the interpreter does: left to exit, one was now and then destroyed
+    # while joinable and the child aborted after its work ("terminate called without an active exception")
+    parallel.shutdown()
     print(json.dumps(result))
     """
 )
