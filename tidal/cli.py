@@ -34,6 +34,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "tidal.broker_stats",
         "print a running broker's stats: tidal stats --broker ADDR [--format json]",
     ),
+    "journal": (
+        "tidal.journal_command",
+        "audit a broker journal offline: tidal journal [DIR] [--format json]",
+    ),
     "config": ("tidal.cli", "print the resolved config"),
 }
 

@@ -2,19 +2,36 @@
 
 Reads the log record by record (the broker's own reader and group decoder) and follows each group: taken
 from the prompt source, accepted, dropped (stale or filtered), cut into a batch, consumed by the trainer.
-``tidal run`` puts the summary in its report; the recovery tests assert on it. A compaction replaces the
-history before it with a snapshot, which the audit starts from.
+``tidal run`` puts the summary in its report, ``tidal journal`` prints it (tidal/journal_command.py), and
+the recovery tests assert on it. A compaction replaces the history before it with a snapshot, which the
+audit starts from; the groups the snapshot keeps in earlier files (REF records) are read back and checked
+as the broker does when it starts. The log is mapped, not read into memory, and never written: a running
+broker's journal can be audited.
 """
 
 from __future__ import annotations
 
+import mmap
+import os
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import msgpack
 
 from tidal.broker.codec import inspect_group
-from tidal.broker.journal_records import Kind, group_frame, read_records
+from tidal.broker.journal_records import (
+    JournalCorrupt,
+    Kind,
+    group_frame,
+    parse_format,
+    parse_ref,
+    read_records,
+    read_referred,
+)
+from tidal.errors import ConfigError
+
+REFS_READ_AT_ONCE = 64  # group frames held at once while the REF records are checked (MBs each at 32K tokens)
 
 
 @dataclass
@@ -32,10 +49,34 @@ class JournalAudit:
     accepted_twice: list[str] = field(default_factory=list)
     batched_twice: list[str] = field(default_factory=list)
     batched_unaccepted: list[str] = field(default_factory=list)
+    # The file itself
+    path: str = ""
+    format: str | None = None  # the FORMAT record's number (None: no FORMAT record)
+    file_id: str | None = None
+    bytes: int = 0  # the file's size
+    good_bytes: int = 0  # up to the end of the last intact record; the broker cuts the rest at start
+    tail_is_padding: bool = True  # the bytes after good_bytes are all zero (O_DIRECT's last block)
+    records: dict[str, int] = field(default_factory=dict)  # by kind
+    cursor: tuple[int, int] | None = None  # (epoch, position) in the prompt source, as a restart resumes
+    policy_version: int | None = None
+    refs: int = 0  # groups kept by compaction in earlier files
+    ref_files: list[str] = field(default_factory=list)
+    ref_error: str | None = None  # why those could not be read back (a broker would refuse to start)
+
+    @property
+    def unconsumed_batches(self) -> int:
+        """Batches cut after the last one reported consumed: a restarted broker serves them again."""
+        return sum(1 for b in self.batches if b > self.consumed_through)
 
     @property
     def problems(self) -> list[str]:
         out = []
+        if self.format is None and self.records:
+            out.append(
+                "the log does not start with a FORMAT record (written before protocol v2, or not a journal)"
+            )
+        if self.ref_error:
+            out.append(self.ref_error)
         if self.accepted_twice:
             out.append(f"groups accepted twice: {self.accepted_twice[:5]}")
         if self.batched_twice:
@@ -49,6 +90,7 @@ class JournalAudit:
 
     def as_dict(self) -> dict:
         d = asdict(self)
+        d["unconsumed_batches"] = self.unconsumed_batches
         d["problems"] = self.problems
         return d
 
@@ -57,22 +99,51 @@ def _unpack(payload: memoryview) -> dict:
     return msgpack.unpackb(payload, raw=False, strict_map_key=False)
 
 
+def journal_file(path: str | Path) -> Path:
+    """The log at ``path``: a ``journal.log``, or the journal directory holding one."""
+    path = Path(path)
+    log = path / "journal.log" if path.is_dir() else path
+    if not log.is_file():
+        where = f"{path} holds no journal.log" if path.is_dir() else f"there is no {path}"
+        raise ConfigError(
+            f"no broker journal: {where} (a journal is broker.journal.dir, by default <run_dir>/journal)"
+        )
+    return log
+
+
 def audit_journal(path: str | Path) -> JournalAudit:
     """Follow every group through the journal at ``path`` (a ``journal.log`` or its directory)."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "journal.log"
-    records, _ = read_records(memoryview(path.read_bytes()))
-    audit = JournalAudit()
+    log = journal_file(path)
+    with open(log, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:  # mmap refuses an empty file; a broker that just created its log has written nothing
+            return JournalAudit(path=str(log))
+        with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as data:
+            view = memoryview(data)
+            try:
+                return _audit(log, view)
+            finally:
+                view.release()
+
+
+def _audit(log: Path, data: memoryview) -> JournalAudit:
+    records, good = read_records(data)
+    audit = JournalAudit(path=str(log), bytes=len(data), good_bytes=good)
+    audit.tail_is_padding = not any(data[good:])
+    audit.records = dict(Counter(kind.name for kind, _ in records))
     outstanding: set[str] = set()
     accepted: set[str] = set()
     buffered: set[str] = set()
     batched: set[str] = set()
+    refs: list[tuple[str, int, int]] = []
     for kind, payload in records:
-        if kind is Kind.TAKE:
-            ids = _unpack(payload)["ids"]
-            audit.taken += len(ids)
-            outstanding.update(ids)
+        if kind is Kind.FORMAT:
+            audit.format, audit.file_id = parse_format(payload)
+        elif kind is Kind.TAKE:
+            d = _unpack(payload)
+            audit.taken += len(d["ids"])
+            outstanding.update(d["ids"])
+            audit.cursor = (d["epoch"], d["pos"])
         elif kind in (Kind.GROUP, Kind.PACKED):
             gid = inspect_group(group_frame(kind, payload)).group_id
             if gid in accepted:
@@ -100,6 +171,8 @@ def audit_journal(path: str | Path) -> JournalAudit:
                 buffered.discard(gid)
         elif kind is Kind.CONSUMED:
             audit.consumed_through = max(audit.consumed_through, _unpack(payload)["batch_id"])
+        elif kind is Kind.VERSION:
+            audit.policy_version = _unpack(payload)["version"]
         elif kind is Kind.SNAPSHOT:
             snap = _unpack(payload)
             audit.compacted = True
@@ -109,6 +182,17 @@ def audit_journal(path: str | Path) -> JournalAudit:
                 batched.update(ids)
             accepted.update(buffered, batched)
             audit.consumed_through = max(audit.consumed_through, snap["consumed"])
+            audit.cursor = tuple(snap["cursor"])
+            audit.policy_version = snap["version"]
+        elif kind is Kind.REF:
+            refs.append(parse_ref(payload))
+    audit.refs = len(refs)
+    audit.ref_files = sorted({file_id for file_id, _, _ in refs})
+    try:
+        for at in range(0, len(refs), REFS_READ_AT_ONCE):  # read and checked, then let go
+            read_referred(log.parent, refs[at : at + REFS_READ_AT_ONCE])
+    except JournalCorrupt as exc:
+        audit.ref_error = str(exc)
     audit.accepted = len(accepted)
     audit.batched = len(batched)
     audit.outstanding = len(outstanding)

@@ -2,6 +2,7 @@
 
 import json
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -61,6 +62,13 @@ def _drain(address, num_rows):
             elif trainer.stats()["finished"]:
                 return trained, trainer.stats()
     raise TimeoutError(f"run did not finish; trained {len(trained)} of {num_rows}")
+
+
+def _tidal_journal(directory, *flags):
+    """``tidal journal`` on a journal a killed broker left: (exit code, stdout)."""
+    cmd = [sys.executable, "-m", "tidal.cli", "journal", str(directory), *flags]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    return done.returncode, done.stdout + done.stderr
 
 
 def test_node_killed_mid_lease_loses_no_prompt(tmp_path):
@@ -164,6 +172,10 @@ def test_broker_killed_and_restarted_loses_no_acknowledged_group_and_duplicates_
         kill_tree(proc, signal.SIGKILL)
         proc.wait(10)
         acked_before_crash = set(acked)
+        code, out = _tidal_journal(tmp_path / "journal", "--format", "json")
+        assert code == 0, out
+        audit = json.loads(out)
+        assert audit["problems"] == [] and audit["accepted"] >= len(acked_before_crash)
         time.sleep(0.5)
         proc, _ = start_broker(tmp_path, rows, port=port, **settings)
         trainer_restart.set()
@@ -224,6 +236,8 @@ def test_compaction_while_serving_answers_every_request_and_survives_a_kill(tmp_
             assert disk["files_kept"] == 1 and disk["dir_bytes"] >= disk["bytes"]
         kill_tree(proc, signal.SIGKILL)
         proc.wait()
+        code, out = _tidal_journal(tmp_path / "journal")
+        assert code == 0 and "read back and checked" in out and "keeps 2 accepted groups" in out, out
         proc, address = start_broker(tmp_path, **settings)
         with BrokerClient(address, timeout_s=10) as trainer:
             trainer.register("trainer", "t")
