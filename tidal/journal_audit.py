@@ -71,7 +71,9 @@ class JournalAudit:
     @property
     def problems(self) -> list[str]:
         out = []
-        if self.format is None and self.records:
+        if not self.records and not self.tail_is_padding:
+            out.append("no intact record at the start: not a tidal journal, or its first record is corrupt")
+        elif self.format is None and self.records:
             out.append(
                 "the log does not start with a FORMAT record (written before protocol v2, or not a journal)"
             )

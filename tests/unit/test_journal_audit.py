@@ -113,6 +113,12 @@ def test_tidal_journal_after_a_compaction_checks_the_files_it_refers_to(tmp_path
     assert "PROBLEM" in out and kept[0].name in out
 
 
+def test_tidal_journal_finds_no_record_in_a_file_that_is_not_a_journal(tmp_path, capsys):
+    (tmp_path / "journal.log").write_bytes(b"PAR1 not a journal at all")
+    assert tidal(["journal", str(tmp_path)]) == 1
+    assert "PROBLEM: no intact record at the start" in capsys.readouterr().out
+
+
 def test_tidal_journal_names_a_path_without_a_journal(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert tidal(["journal", str(tmp_path / "empty")]) == 2
