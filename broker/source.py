@@ -1,15 +1,19 @@
 """The prompt source: verl-format rows from parquet or JSONL, shuffled per epoch with a seed.
 
 The cursor is ``(epoch, position)`` in that epoch's permutation; the permutation is a pure function of
-``(seed, epoch)``, so the journal only needs the cursor to resume exactly where it stopped.
+``(seed, epoch)``, so the journal only needs the cursor to resume exactly where it stopped, provided it
+resumes over the same rows in the same order: the journal also keeps the source's identity (row count,
+shuffle, seed and a digest of the rows), and a broker refuses to resume over other data.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 
 from tidal.broker.types import PromptRow
@@ -66,6 +70,17 @@ def load_rows(path: str | Path) -> list[PromptRow]:
     return [_row(i, r, path) for i, r in enumerate(raws)]
 
 
+def rows_digest(rows: list[PromptRow]) -> str:
+    """A digest of what the rows ask (data source, prompt, ground truth), in their order: what a journal's
+    group ids ("<epoch>:<row index>") refer to. ``extra_info`` is left out: metadata, whose map order may
+    change when the same rows are written in another format."""
+    h = hashlib.blake2b(digest_size=12)
+    pack = msgpack.Packer(default=str, use_bin_type=True).pack
+    for r in rows:
+        h.update(pack((r.data_source, r.prompt, r.ground_truth)))
+    return h.hexdigest()
+
+
 class PromptSource:
     """Hands out row indices in a seeded per-epoch order; ``epochs=None`` cycles forever."""
 
@@ -77,6 +92,50 @@ class PromptSource:
         self.epoch = 0
         self.pos = 0
         self._order = self._permutation(0)
+        self._identity: dict[str, Any] | None = None
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        """What the cursor and group ids mean: rows, their order (shuffle, and the seed where it matters)
+        and a digest of their content. ``epochs`` is not part of it: a run may be given more."""
+        if self._identity is None:
+            self._identity = {
+                "rows": len(self.rows),
+                "shuffle": self.shuffle,
+                "seed": self.seed if self.shuffle else None,
+                "digest": rows_digest(self.rows),
+            }
+        return self._identity
+
+    def check_resumable(
+        self, journaled: dict[str, Any] | None, group_ids, journal: str, path: str | None
+    ) -> None:
+        """Refuse to resume a journal written over other data (``journaled``: the identity it recorded;
+        None for a journal of an earlier tidal, where only the row indices of its open groups are checked)."""
+        where = f"broker.data.path={path!r}" if path else "the prompt data"
+        hint = (
+            "give the data and broker.data.shuffle/seed it was written with, or start afresh with another "
+            "broker.journal.dir (or run_dir)"
+        )
+        if journaled is not None:
+            mine = self.identity
+            changed = [
+                f"{k} {journaled.get(k)!r} -> {mine[k]!r}" for k in mine if journaled.get(k) != mine[k]
+            ]
+            if changed:
+                raise ConfigError(
+                    f"{where}: the journal {journal} was written over other prompt data (journal -> now: "
+                    f"{', '.join(changed)}); "
+                    f"its cursor and group ids name rows of that data: {hint}"
+                )
+            return
+        n = len(self.rows)
+        beyond = [g for g in group_ids if int(g.split(":", 1)[1]) >= n]
+        if beyond:
+            raise ConfigError(
+                f"{where}: the journal {journal} holds groups of rows this data does not have "
+                f"({beyond[:3]}, but {n} rows): {hint}"
+            )
 
     def _permutation(self, epoch: int) -> np.ndarray:
         n = len(self.rows)

@@ -80,6 +80,9 @@ class BrokerState:
         # every time); leases do not survive a restart, and the prefix keeps ids of two runs apart.
         self._lease_prefix = uuid.uuid4().hex[:16]
         self._lease_count = itertools.count()
+        # The prompt source's identity as the journal recorded it (source.py): a replay checks it, and the
+        # first TAKE record of a journal without it records it.
+        self.journaled_source: dict[str, Any] | None = None
 
     # ---------------------------------------------------------------- journal
     def _log(self, kind: Kind, payload: bytes | memoryview) -> None:
@@ -109,9 +112,17 @@ class BrokerState:
                 f"journal {self.journal.path}: snapshot names groups it does not hold: {missing[:5]}"
             )
         self.requeue.extend(self.outstanding)
+        if self.journal is not None:
+            self.source.check_resumable(
+                self.journaled_source,
+                [*self.outstanding, *self.buffer, *self.batch_store],
+                str(self.journal.path),
+                self.cfg.data.path,
+            )
 
     def _apply(self, kind: Kind, d: dict[str, Any]) -> None:
         if kind is Kind.TAKE:
+            self.journaled_source = d.get("source", self.journaled_source)
             self.outstanding.update(dict.fromkeys(d["ids"]))
             self.source.seek(d["epoch"], d["pos"])
         elif kind is Kind.DROP:
@@ -195,9 +206,10 @@ class BrokerState:
         if len(ids) < k:
             fresh = self.source.take(k - len(ids))
             if fresh:
-                self._log(
-                    Kind.TAKE, _pack({"ids": fresh, "epoch": self.source.epoch, "pos": self.source.pos})
-                )
+                take = {"ids": fresh, "epoch": self.source.epoch, "pos": self.source.pos}
+                if self.journaled_source is None and self.journal is not None:
+                    self.journaled_source = take["source"] = self.source.identity
+                self._log(Kind.TAKE, _pack(take))
                 self.outstanding.update(dict.fromkeys(fresh))
                 ids += fresh
         if not ids:
@@ -536,6 +548,7 @@ class BrokerState:
         c = self.counters
         snap = {
             "cursor": [self.source.epoch, self.source.pos],
+            "source": self.source.identity,
             "outstanding": list(self.outstanding),
             "accepted_live": self.accepted_live,
             "version": self.version,
@@ -554,6 +567,7 @@ class BrokerState:
                 yield Kind.RESTORE, s.frame.buffer if hasattr(s.frame, "buffer") else s.frame
 
     def _load_snapshot(self, d: dict[str, Any]) -> None:
+        self.journaled_source = d.get("source")  # None in a snapshot of an earlier tidal
         self.source.seek(*d["cursor"])
         self.outstanding = dict.fromkeys(d["outstanding"])
         self.accepted_live = d["accepted_live"]
