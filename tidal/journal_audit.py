@@ -59,6 +59,7 @@ class JournalAudit:
     records: dict[str, int] = field(default_factory=dict)  # by kind
     cursor: tuple[int, int] | None = None  # (epoch, position) in the prompt source, as a restart resumes
     policy_version: int | None = None
+    source: dict | None = None  # the prompt data it was written over (rows, shuffle, seed, digest)
     refs: int = 0  # groups kept by compaction in earlier files
     ref_files: list[str] = field(default_factory=list)
     ref_error: str | None = None  # why those could not be read back (a broker would refuse to start)
@@ -146,6 +147,7 @@ def _audit(log: Path, data: memoryview) -> JournalAudit:
             audit.taken += len(d["ids"])
             outstanding.update(d["ids"])
             audit.cursor = (d["epoch"], d["pos"])
+            audit.source = d.get("source", audit.source)
         elif kind in (Kind.GROUP, Kind.PACKED):
             gid = inspect_group(group_frame(kind, payload)).group_id
             if gid in accepted:
@@ -186,6 +188,7 @@ def _audit(log: Path, data: memoryview) -> JournalAudit:
             audit.consumed_through = max(audit.consumed_through, snap["consumed"])
             audit.cursor = tuple(snap["cursor"])
             audit.policy_version = snap["version"]
+            audit.source = snap.get("source")
         elif kind is Kind.REF:
             refs.append(parse_ref(payload))
     audit.refs = len(refs)

@@ -50,11 +50,18 @@ def audit_lines(a: JournalAudit) -> list[str]:
         + (" (compacted: history before the SNAPSHOT is gone)" if a.compacted else ""),
         f"  groups{since}: {a.taken:,} taken from the prompt source, {a.accepted:,} accepted, "
         f"{a.dropped_stale:,} dropped as stale, {a.filtered:,} filtered, {a.batched:,} in {batches}",
-        f"  trainer: consumed through batch {a.consumed_through}, policy version {a.policy_version}; "
+        f"  trainer: consumed through batch {a.consumed_through}, policy version "
+        f"{'none published' if a.policy_version is None else a.policy_version}; "
         f"prompt cursor {cursor}",
         f"  a broker started on it: re-leases {a.outstanding:,} groups that were out on leases, keeps "
         f"{a.buffered:,} accepted groups for later batches, serves {a.unconsumed_batches:,} cut batches again",
     ]
+    if a.source:
+        order = f"shuffled with seed {a.source['seed']}" if a.source["shuffle"] else "in file order"
+        lines.append(
+            f"  prompt data: {a.source['rows']:,} rows {order}, digest {a.source['digest']} "
+            "(a broker resumes this journal only over these rows)"
+        )
     if a.refs:
         state = "unreadable" if a.ref_error else "all read back and checked"
         lines.append(f"  {a.refs:,} groups kept in {len(a.ref_files)} earlier file(s) by compaction: {state}")

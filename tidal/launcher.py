@@ -362,7 +362,11 @@ def run_grpo(config: RunConfig, rd: RunDir, sup: Supervisor, view, files, placem
             env={"CUDA_VISIBLE_DEVICES": ""},  # the broker computes nothing on a GPU
         )
     )
-    wait_for_tcp(host, port, 30, sup.states["broker"].proc)
+    try:
+        wait_for_tcp(host, port, 30, sup.states["broker"].proc)
+    except RuntimeError:
+        sup.poll()  # a broker that exited (e.g. refused its journal): ProcessDied with its last log lines
+        raise
     for i in range(config.rollout.nodes):
         cmd = python_cmd(
             "rollout",

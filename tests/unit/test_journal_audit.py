@@ -79,6 +79,7 @@ def test_tidal_journal_prints_the_account_and_what_a_restart_would_do(tmp_path, 
     assert "format 4" in out and "consumed through batch 0, policy version 1" in out
     assert "re-leases 2 groups" in out and "keeps 2 accepted groups" in out and "serves 0 cut batches" in out
     assert "ok: no group accepted twice" in out
+    assert "prompt data: 6 rows shuffled with seed 0, digest" in out
 
     assert tidal(["journal", str(tmp_path / "journal" / "journal.log"), "--format", "json"]) == 0
     d = json.loads(capsys.readouterr().out)
