@@ -117,8 +117,8 @@ class PromptSource:
             "give the data and broker.data.shuffle/seed it was written with, or start afresh with another "
             "broker.journal.dir (or run_dir)"
         )
+        mine = self.identity  # computed here, at start, not at the first lease (0.6 us a row)
         if journaled is not None:
-            mine = self.identity
             changed = [
                 f"{k} {journaled.get(k)!r} -> {mine[k]!r}" for k in mine if journaled.get(k) != mine[k]
             ]
