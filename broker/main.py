@@ -13,6 +13,7 @@ import signal
 from pathlib import Path
 
 from tidal.broker.journal import Journal
+from tidal.broker.journal_lock import lock_journal_dir
 from tidal.broker.local_memory import allow_memory_reads
 from tidal.broker.metrics import serve_metrics
 from tidal.broker.process import (
@@ -28,6 +29,7 @@ from tidal.broker.state import BrokerState
 from tidal.errors import ConfigError
 
 log = logging.getLogger("tidal.broker")
+_held_locks: list[int] = []  # descriptors of the journal locks this process holds (journal_lock.py)
 
 
 def build_state(config) -> BrokerState:
@@ -41,8 +43,10 @@ def build_state(config) -> BrokerState:
     source = PromptSource(
         load_rows(cfg.data.path), seed=cfg.data.seed, shuffle=cfg.data.shuffle, epochs=cfg.data.epochs
     )
+    journal_dir = Path(cfg.journal.dir or Path(config.run_dir) / "journal")
+    _held_locks.append(lock_journal_dir(journal_dir, cfg.bind))  # for the process's life
     journal = Journal(
-        cfg.journal.dir or Path(config.run_dir) / "journal",
+        journal_dir,
         fsync=cfg.journal.fsync,
         fsync_interval_s=cfg.journal.fsync_interval_s,
         direct_io=cfg.journal.direct_io,

@@ -20,6 +20,7 @@ from pathlib import Path
 import msgpack
 
 from tidal.broker.codec import inspect_group
+from tidal.broker.journal_lock import journal_holder
 from tidal.broker.journal_records import (
     JournalCorrupt,
     Kind,
@@ -59,6 +60,7 @@ class JournalAudit:
     records: dict[str, int] = field(default_factory=dict)  # by kind
     cursor: tuple[int, int] | None = None  # (epoch, position) in the prompt source, as a restart resumes
     policy_version: int | None = None
+    writer: str | None = None  # the broker holding the journal's lock while it was read (journal_lock.py)
     source: dict | None = None  # the prompt data it was written over (rows, shuffle, seed, digest)
     refs: int = 0  # groups kept by compaction in earlier files
     ref_files: list[str] = field(default_factory=list)
@@ -131,7 +133,7 @@ def audit_journal(path: str | Path) -> JournalAudit:
 
 def _audit(log: Path, data: memoryview) -> JournalAudit:
     records, good = read_records(data)
-    audit = JournalAudit(path=str(log), bytes=len(data), good_bytes=good)
+    audit = JournalAudit(path=str(log), bytes=len(data), good_bytes=good, writer=journal_holder(log.parent))
     audit.tail_is_padding = not any(data[good:])
     audit.records = dict(Counter(kind.name for kind, _ in records))
     outstanding: set[str] = set()

@@ -56,6 +56,8 @@ def audit_lines(a: JournalAudit) -> list[str]:
         f"  a broker started on it: re-leases {a.outstanding:,} groups that were out on leases, keeps "
         f"{a.buffered:,} accepted groups for later batches, serves {a.unconsumed_batches:,} cut batches again",
     ]
+    if a.writer:
+        lines.append(f"  a broker is writing it now ({a.writer}): this is its state at one moment")
     if a.source:
         order = f"shuffled with seed {a.source['seed']}" if a.source["shuffle"] else "in file order"
         lines.append(

@@ -273,3 +273,22 @@ def test_a_broker_restarted_over_other_data_refuses_its_journal_and_says_why(tmp
             assert sorted(pg.group_id for pg in node.lease(2).groups) == leased
     finally:
         stop(proc)
+
+
+def test_a_second_broker_on_the_same_journal_is_refused_and_a_killed_ones_lock_goes_with_it(tmp_path):
+    proc, _ = start_broker(tmp_path, 20)
+    try:
+        with pytest.raises(RuntimeError) as err:
+            start_broker(tmp_path, 20)  # another port, the same run_dir: the same journal
+        message = str(err.value)
+        assert "exited with 2" in message and f"in use by another broker (pid {proc.pid} " in message, message
+        code, out = _tidal_journal(tmp_path / "journal")
+        assert code == 0 and f"a broker is writing it now (pid {proc.pid} " in out, out
+        kill_tree(proc, signal.SIGKILL)
+        proc.wait(10)
+        proc, address = start_broker(tmp_path, 20)  # the lock went with the process that held it
+        with BrokerClient(address, timeout_s=10) as node:
+            node.register("rollout", "n")
+            assert node.lease(1) is not None
+    finally:
+        stop(proc)
