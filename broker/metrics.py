@@ -13,6 +13,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from tidal.errors import ConfigError
+
 PREFIX = "tidal_broker"
 
 
@@ -91,5 +93,11 @@ class BrokerCollector(Collector):
 def serve_metrics(port: int, host: str, snapshot: Callable[[], dict[str, Any]]) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(BrokerCollector(snapshot))
-    start_http_server(port, addr=host, registry=registry)
+    try:
+        start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise ConfigError(
+            f"broker.metrics_port={port} (broker.metrics_host={host!r}): cannot serve Prometheus there "
+            f"({exc.strerror}); choose another port, or null to serve none"
+        ) from None
     return registry

@@ -34,6 +34,7 @@ from tidal.broker.state import BrokerState
 from tidal.broker.state_records import CutBatch, Node
 from tidal.broker.status_line import status_line
 from tidal.broker.submit_memory import SubmitArena, can_share
+from tidal.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,14 @@ class BrokerServer:
             self.sock.monitor(address, _AUTH_FAILED_EVENTS)
             self._monitor = self._ctx.socket(zmq.PAIR)
             self._monitor.connect(address)
-        self.sock.bind(config.bind)
+        try:
+            self.sock.bind(config.bind)
+        except zmq.ZMQError as exc:
+            self.sock.close(0)
+            raise ConfigError(
+                f"broker.bind={config.bind!r}: cannot bind ({zmq.strerror(exc.errno)}); another broker or program may "
+                "listen there: stop it or choose another address"
+            ) from None
         self._fd = self.sock.getsockopt(zmq.FD)
         self._drain_scheduled = False
         self.tick_s = min(0.25, config.lease_timeout_s / 4, config.node_timeout_s / 4)

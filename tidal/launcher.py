@@ -25,7 +25,7 @@ from pathlib import Path
 from tidal.config import RunConfig
 from tidal.configio import build, dump_config, load_config
 from tidal.errors import ConfigError
-from tidal.procs import free_port, python_cmd, wait_for_tcp
+from tidal.procs import free_port, port_in_use, python_cmd, wait_for_tcp
 from tidal.supervisor import ProcessDied, ProcessSpec, Supervisor
 
 
@@ -222,6 +222,24 @@ def run_phase(sup: Supervisor, spec: ProcessSpec, poll_s: float = 0.5) -> None:
         time.sleep(poll_s)
 
 
+def check_broker_ports(config: RunConfig) -> None:
+    """The broker's address and metrics port are free before anything starts. Else the job's nodes and
+    trainer would find the broker already there (another job's, e.g. a second ``make run`` at once)."""
+    b = config.broker
+    if b.bind.startswith("tcp://"):
+        host, port = b.bind[len("tcp://") :].rsplit(":", 1)
+        host = host.strip("[]")
+        if host != "*" and (why := port_in_use(host, int(port))):
+            raise ConfigError(
+                f"broker.bind={b.bind!r}: {why}: another broker (another tidal run?) may listen there; "
+                "stop it, or give this job another address, e.g. broker.bind=tcp://127.0.0.1:5556"
+            )
+    if b.metrics_port is not None and (why := port_in_use(b.metrics_host, b.metrics_port)):
+        raise ConfigError(
+            f"broker.metrics_port={b.metrics_port}: {why} on {b.metrics_host}; choose another port, or null to serve none"
+        )
+
+
 def check_curve_keys(config: RunConfig) -> None:
     """The nodes' and the trainer's CURVE key files, where set, before anything starts."""
     from tidal.broker.curve import client_keys
@@ -240,6 +258,7 @@ def main(config: RunConfig, args: list[str]) -> int:
     placement = plan_placement(config)  # a device combination that cannot run fails before anything starts
     config = _with(config, placement.overrides)
     check_curve_keys(config)
+    check_broker_ports(config)
     from tidal.rollout.tasks import prepare_task
 
     rd = RunDir(config.run_dir)

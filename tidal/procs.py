@@ -19,6 +19,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def port_in_use(host: str, port: int) -> str | None:
+    """Why nothing could listen on host:port now (another listener: the OS's reason), or None. A port
+    held only by connections closing (TIME_WAIT) counts as free, as it does for ZeroMQ's bind."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
+
+
 def wait_for_tcp(host: str, port: int, timeout_s: float = 60.0, proc: subprocess.Popen | None = None) -> None:
     """Wait until something accepts connections on host:port; fail early if ``proc`` exits."""
     deadline = time.monotonic() + timeout_s
