@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -20,14 +21,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def port_in_use(host: str, port: int) -> str | None:
-    """Why nothing could listen on host:port now (another listener: the OS's reason), or None. A port
-    held only by connections closing (TIME_WAIT) counts as free, as it does for ZeroMQ's bind."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """The OS's reason when something listens on host:port now, else None. A port held only by
+    connections closing (TIME_WAIT) counts as free, as it does for ZeroMQ's bind; an address this host
+    cannot bind for another reason (not one of its own, another address family) is left to the program
+    that binds it to report."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as exc:
-            return exc.strerror or str(exc)
+            return exc.strerror if exc.errno == errno.EADDRINUSE else None
     return None
 
 

@@ -24,6 +24,7 @@ def listener():
 def test_a_listened_port_is_in_use_and_a_free_one_is_not(listener):
     assert "in use" in port_in_use("127.0.0.1", listener)
     assert port_in_use("127.0.0.1", free_port()) is None
+    assert port_in_use("192.0.2.1", free_port()) is None  # not this host's address: the binder says so
 
 
 def test_a_zeromq_port_whose_connections_closed_is_free_again():
