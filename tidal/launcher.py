@@ -222,18 +222,24 @@ def run_phase(sup: Supervisor, spec: ProcessSpec, poll_s: float = 0.5) -> None:
         time.sleep(poll_s)
 
 
+def tcp_host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of a ZeroMQ ``tcp://HOST:PORT`` address (IPv6 brackets dropped); None for others."""
+    if not address.startswith("tcp://"):
+        return None
+    host, port = address[len("tcp://") :].rsplit(":", 1)
+    return host.strip("[]"), int(port)
+
+
 def check_broker_ports(config: RunConfig) -> None:
     """The broker's address and metrics port are free before anything starts. Else the job's nodes and
     trainer would find the broker already there (another job's, e.g. a second ``make run`` at once)."""
     b = config.broker
-    if b.bind.startswith("tcp://"):
-        host, port = b.bind[len("tcp://") :].rsplit(":", 1)
-        host = host.strip("[]")
-        if host != "*" and (why := port_in_use(host, int(port))):
-            raise ConfigError(
-                f"broker.bind={b.bind!r}: {why}: another broker (another tidal run?) may listen there; "
-                "stop it, or give this job another address, e.g. broker.bind=tcp://127.0.0.1:5556"
-            )
+    tcp = tcp_host_port(b.bind)
+    if tcp is not None and tcp[0] != "*" and (why := port_in_use(*tcp)):
+        raise ConfigError(
+            f"broker.bind={b.bind!r}: {why}: another broker (another tidal run?) may listen there; "
+            "stop it, or give this job another address, e.g. broker.bind=tcp://127.0.0.1:5556"
+        )
     if b.metrics_port is not None and (why := port_in_use(b.metrics_host, b.metrics_port)):
         raise ConfigError(
             f"broker.metrics_port={b.metrics_port}: {why} on {b.metrics_host}; choose another port, or null to serve none"
@@ -370,8 +376,7 @@ def run_grpo(config: RunConfig, rd: RunDir, sup: Supervisor, view, files, placem
     # the live view's stats, with the trainer's keys where the broker wants CURVE (checked before starting)
     tc = config.trainer
     curve = client_keys(tc.curve_secret_key_file, tc.curve_server_key_file, "trainer")
-    port = int(config.broker.bind.rsplit(":", 1)[1])
-    host = config.broker.bind.split("//", 1)[1].rsplit(":", 1)[0]
+    host, port = tcp_host_port(config.broker.bind)  # a tcp address: the nodes reach it over the network
     data_override = f"broker.data.path={files.train}"
     sup.start(
         ProcessSpec(
