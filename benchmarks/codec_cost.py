@@ -22,31 +22,21 @@ from pathlib import Path
 import numpy as np
 
 from tidal.broker.codec import decode_group, encode_group, inspect_group
-from tidal.broker.types import Group, Sample
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from broker_baselines import META, sample_arrays  # noqa: E402
+from broker_baselines import sample_arrays  # noqa: E402
+from broker_throughput import _group  # noqa: E402  (the broker benchmark's groups, built the same way)
 
 STAGES = ("build", "encode", "inspect", "decode")
-
-
-def make_group(arrays: dict[str, np.ndarray], n: int) -> Group:
-    samples = [
-        Sample(
-            prompt_ids=np.zeros(0, np.int32), reward=float(i % 2), finish_reason="stop", meta=META, **arrays
-        )
-        for i in range(n)
-    ]
-    return Group(group_id="0:1", samples=samples)
 
 
 def time_stages(tokens: int, n: int, number: int, repeats: int) -> dict[str, float]:
     """Microseconds per frame of each stage (median of ``repeats``)."""
     arrays = sample_arrays(tokens)
-    group = make_group(arrays, n)
+    group = _group("0:1", arrays, n)
     frame = bytes(encode_group(group))
     calls = {
-        "build": lambda: make_group(arrays, n),
+        "build": lambda: _group("0:1", arrays, n),
         "encode": lambda: encode_group(group),
         "inspect": lambda: inspect_group(frame),
         "decode": lambda: decode_group(frame),
