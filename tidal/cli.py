@@ -130,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
             print("\n" + module.__doc__.strip())
         return 0
     try:
+        if command == "run":
+            from tidal.launcher import resume_source
+
+            config_path, overrides = resume_source(config_path, overrides, extra)
         config = load_run_config(config_path, overrides)
     except ConfigError as exc:
         print(f"tidal {command}: {exc}", file=sys.stderr)

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tidal.config import RunConfig
-from tidal.configio import build, dump_config, load_config
+from tidal.configio import build, dump_config
 from tidal.errors import ConfigError
 from tidal.procs import free_port, port_in_use, python_cmd, wait_for_tcp
+from tidal.run_identity import check_run_dir
 from tidal.supervisor import ProcessDied, ProcessSpec, Supervisor
 
 
@@ -147,6 +148,32 @@ def plan_placement(config: RunConfig, gpus: tuple[int, list[str]] | None = None)
     return Placement(trainer_env, node_envs, overrides, colocated_mode, summary)
 
 
+def resume_source(
+    config_path: str | None, overrides: list[str], flags: list[str]
+) -> tuple[str | None, list[str]]:
+    """The config file and overrides of ``tidal run``: with ``--resume RUN_DIR``, that run's saved
+    ``config.yaml`` and the command line's key=value settings on top of it (its run_dir: RUN_DIR, also
+    when the directory was moved)."""
+    if "--resume" not in flags:
+        return config_path, overrides
+    at = flags.index("--resume") + 1
+    run_dir = Path(flags[at]) if at < len(flags) and flags[at] else None
+    if run_dir is None:
+        raise ConfigError("--resume needs a run directory")
+    if config_path is not None:
+        raise ConfigError(
+            f"--resume {run_dir} continues with that run's settings ({run_dir / 'config.yaml'}): give "
+            f"key=value settings to change, not {config_path}"
+        )
+    saved = run_dir / "config.yaml"
+    if not saved.exists():
+        raise ConfigError(f"--resume {run_dir}: no {saved} (not a tidal run directory)")
+    others = [o for o in overrides if o.split("=", 1)[0] == "run_dir"]
+    if others:
+        raise ConfigError(f"--resume {run_dir} names the run directory; drop {others[0]}")
+    return str(saved), [*overrides, f"run_dir={run_dir}"]
+
+
 def parse_options(args: list[str]) -> RunOptions:
     opts = RunOptions()
     it = iter(args)
@@ -257,13 +284,15 @@ def check_curve_keys(config: RunConfig) -> None:
 
 def main(config: RunConfig, args: list[str]) -> int:
     opts = parse_options(args)
-    if opts.resume:
-        config = load_config(RunConfig, Path(opts.resume) / "config.yaml")
+    if opts.resume and Path(config.run_dir).resolve() != Path(opts.resume).resolve():
+        # the command line loads --resume's config.yaml (resume_source); a caller that did not is told
+        raise ConfigError(f"--resume {opts.resume}: the config's run_dir is {config.run_dir}")
     if opts.sync:
         config = _with(config, {"broker.max_staleness": 0})
     placement = plan_placement(config)  # a device combination that cannot run fails before anything starts
     config = _with(config, placement.overrides)
     check_curve_keys(config)
+    check_run_dir(config, Path(config.run_dir))  # before anything is written into it
     check_broker_ports(config)
     from tidal.rollout.tasks import prepare_task
 

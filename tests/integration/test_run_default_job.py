@@ -12,7 +12,7 @@ from tidal.procs import free_port
 
 
 @pytest.mark.slow
-def test_shortened_default_job_runs_end_to_end(tmp_path: Path):
+def test_shortened_default_job_runs_end_to_end_and_continues(tmp_path: Path):
     run_dir = tmp_path / "run"
     cmd = [
         sys.executable,
@@ -30,7 +30,8 @@ def test_shortened_default_job_runs_end_to_end(tmp_path: Path):
         "--plain",
         "--no-control",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[2])
+    cmd_dir = Path(__file__).parents[2]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=cmd_dir)
     logs = "\n".join(
         f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted((run_dir / "logs").glob("*.log"))
     )
@@ -56,3 +57,30 @@ def test_shortened_default_job_runs_end_to_end(tmp_path: Path):
         p.name for p in (run_dir / "logs").glob("*.log")
     }
     assert "held-out greedy accuracy" in proc.stdout
+
+    # Started again on its run directory: another model is refused before anything is written, and
+    # `--resume RUN_DIR trainer.steps=5` continues the saved run for two more steps, on new broker batches.
+    saved = (run_dir / "config.yaml").read_text()
+    refused = subprocess.run(
+        [*cmd, "model.hidden_size=64"], capture_output=True, text=True, timeout=120, cwd=cmd_dir
+    )
+    assert refused.returncode == 2 and "model.hidden_size: 128 there, 64 given" in refused.stderr
+    assert (run_dir / "config.yaml").read_text() == saved
+    resume = [
+        sys.executable,
+        "-m",
+        "tidal.cli",
+        "run",
+        "--resume",
+        str(run_dir),
+        "trainer.steps=5",
+        "--plain",
+        "--no-control",
+    ]
+    proc = subprocess.run(resume, capture_output=True, text=True, timeout=600, cwd=cmd_dir)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4, 5]
+    assert len({m["batch_id"] for m in steps}) == 5
+    journal = json.loads((run_dir / "report.json").read_text())["journal"]
+    assert journal["problems"] == [] and journal["batched"] >= 5 * 8
