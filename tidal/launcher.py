@@ -351,10 +351,16 @@ def journal_summary(config: RunConfig, rd: RunDir) -> dict:
     return audit_journal(config.broker.journal.dir or rd.root / "journal").as_dict()
 
 
+# The trainer finishes its batch and saves a checkpoint when signalled (trainer/stop_request.py); torchrun
+# kills it 30 s after forwarding the signal, so waiting longer than that gains nothing.
+TRAINER_STOP_S = 35.0
+
+
 def stop_job(sup: Supervisor) -> None:
     """Trainer first (it may be checkpointing), then rollout nodes (they return their leases), broker last."""
     sup.stop_all(
-        order=["trainer", *[n for n in sup.states if n.startswith("rollout")], "broker", "sft", "control"]
+        order=["trainer", *[n for n in sup.states if n.startswith("rollout")], "broker", "sft", "control"],
+        timeouts={"trainer": TRAINER_STOP_S},
     )
 
 

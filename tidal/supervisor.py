@@ -84,13 +84,26 @@ class Supervisor:
             raise ProcessDied(f"{name} died with exit code {code}. Last lines of {state.spec.log}:\n{last}")
         return finished
 
-    def stop_all(self, timeout_s: float = 15.0, order: list[str] | None = None) -> None:
+    def stop_all(
+        self,
+        timeout_s: float = 15.0,
+        order: list[str] | None = None,
+        timeouts: dict[str, float] | None = None,
+    ) -> None:
+        """SIGTERM each process in ``order``, waiting ``timeouts[name]`` (else ``timeout_s``) before SIGKILL.
+        An interrupt (a second Ctrl-C) while waiting kills that process and every one after it at once."""
         names = order or list(reversed(self.states))
+        hurry = False
         for name in names:
             state = self.states.get(name)
             if state and state.proc is not None and state.proc.poll() is None:
-                self.on_event(f"stopping {name}")
-                state.exit_code = stop(state.proc, timeout_s)
+                wait_s = 0.0 if hurry else (timeouts or {}).get(name, timeout_s)
+                self.on_event(f"stopping {name}" + ("" if hurry else f" (SIGKILL after {wait_s:g} s)"))
+                try:
+                    state.exit_code = stop(state.proc, wait_s)
+                except KeyboardInterrupt:
+                    hurry = True
+                    state.exit_code = stop(state.proc, 0.0)
 
     def health(self) -> dict[str, str]:
         out = {}

@@ -8,13 +8,15 @@ optimizer step each (each step bumps the policy version, so staleness is never u
 to the engines, the new version published to the broker, metrics to ``<run_dir>/metrics.jsonl``. Every
 ``trainer.checkpoint_every`` steps (at a batch boundary) a checkpoint to ``--out`` (default
 ``<run_dir>/train``), after which the broker learns the batch was consumed; a restarted trainer resumes from
-the latest checkpoint and asks for the batch after the last one it trained on. Rank 0 fetches the next
+the latest checkpoint and asks for the batch after the last one it trained on. SIGTERM or SIGINT stops it at
+the next batch boundary with a checkpoint (exit code 143; trainer/stop_request.py). Rank 0 fetches the next
 batch in a background thread while the current one trains.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,7 @@ from tidal.broker.curve import client_keys
 from tidal.config import RunConfig
 from tidal.errors import ConfigError
 from tidal.trainer.flags import parse_flags
+from tidal.trainer.stop_request import StopRequest
 
 
 @dataclass
@@ -94,14 +97,21 @@ class _BatchFeed:
 
 
 CATCH_UP_POLL_S = 2.0
+# not 0: a supervisor that did not ask for the stop restarts the trainer, which resumes from the checkpoint
+STOPPED_EXIT_CODE = 143
 
 
-def _next_batch(feed, progress, push: _WeightPush):
-    """The next broker batch (rank 0 fetches, every rank gets it). While it is not there, engines that
-    joined since the last sync get the current weights: the trainer only syncs after a step, so without
+STOP = object()  # what _next_batch returns when a signal asked the trainer to stop (trainer/stop_request.py)
+
+
+def _next_batch(feed, progress, push: _WeightPush, stop: StopRequest):
+    """The next broker batch (rank 0 fetches, every rank gets it), or STOP. While it is not there, engines
+    that joined since the last sync get the current weights: the trainer only syncs after a step, so without
     this a node joining a starved job would generate with old weights whose samples the broker drops as
     stale, and no batch would ever come."""
     while True:
+        if stop.agreed():
+            return STOP
         message = None
         if feed is not None:
             try:
@@ -149,13 +159,18 @@ def main(config: RunConfig, args: list[str]) -> int:
     )
     writer = MetricsWriter(run_dir) if trainer.rank == 0 else None
     push = _WeightPush(config, trainer, feed)
+    stop = StopRequest()
     try:
         if feed is not None:
             feed.control.publish_version(progress.step)
         last_saved = progress.step
         last_wall = time.perf_counter()
+        stopped = False
         while progress.step < tc.steps:
-            batch = _next_batch(feed, progress, push)
+            batch = _next_batch(feed, progress, push, stop)
+            if batch is STOP:
+                stopped = True  # every rank saw it (a collective): all save and leave together
+                break
             if batch is None:
                 break  # the data is exhausted (or the broker gave nothing within batch_timeout_s)
             if feed is not None:
@@ -216,9 +231,19 @@ def main(config: RunConfig, args: list[str]) -> int:
             trainer.save(out, progress)
             if feed is not None and progress.last_batch_id >= 0:
                 feed.control.report_consumed(progress.last_batch_id)
+        if stopped:
+            if trainer.rank == 0:
+                print(
+                    f"tidal train: stopped by {stop.name if stop.requested else 'a signal to another rank'} after step {progress.step} (broker batch "
+                    f"{progress.last_batch_id}); its checkpoint is in {out}, a restart resumes from it",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return STOPPED_EXIT_CODE
         trainer.export_hf(export, tokenizer_from=opts.init)
         return 0
     finally:
+        stop.restore()
         push.close()
         if writer is not None:
             writer.close()

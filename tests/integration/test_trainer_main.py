@@ -17,9 +17,12 @@ with their own allowed keys (``trainer.curve_*_key_file``).
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +30,7 @@ import pytest
 from tidal.broker.client import BrokerClient
 from tidal.broker.curve import CurveClientKeys
 from tidal.broker.testing import fake_group, make_curve_keys, start_broker
-from tidal.procs import free_port, stop
+from tidal.procs import free_port, kill_tree, stop
 
 
 def _feed(address: str, curve: CurveClientKeys, stop_event: threading.Event) -> None:
@@ -44,8 +47,8 @@ def _feed(address: str, curve: CurveClientKeys, stop_event: threading.Event) -> 
             )
 
 
-def _train(tmp: Path, address: str, steps: int, keys: dict[str, Path]) -> subprocess.CompletedProcess:
-    cmd = [
+def _train_cmd(tmp: Path, address: str, steps: int, keys: dict[str, Path]) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -72,11 +75,16 @@ def _train(tmp: Path, address: str, steps: int, keys: dict[str, Path]) -> subpro
         "--out",
         str(tmp / "train"),
     ]
+
+
+def _train(tmp: Path, address: str, steps: int, keys: dict[str, Path]) -> subprocess.CompletedProcess:
+    cmd = _train_cmd(tmp, address, steps, keys)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=400, start_new_session=True)
 
 
-@pytest.mark.slow
-def test_train_pulls_batches_checkpoints_and_resumes(tmp_path):
+@pytest.fixture
+def fed_broker(tmp_path):
+    """A CURVE broker with the scripted node feeding it; yields (address, keys)."""
     keys = make_curve_keys(tmp_path)
     curve = {
         "enabled": True,
@@ -91,17 +99,27 @@ def test_train_pulls_batches_checkpoints_and_resumes(tmp_path):
     feeder = threading.Thread(target=_feed, args=(address, node_keys, stop_event), daemon=True)
     feeder.start()
     try:
-        first = _train(tmp_path, address, steps=4, keys=keys)
-        assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-5000:]
-        second = _train(tmp_path, address, steps=6, keys=keys)
-        assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-5000:]
-        trainer_keys = CurveClientKeys.from_files(keys["trainer_secret"], keys["broker"])
-        with BrokerClient(address, timeout_s=10, curve=trainer_keys) as client:
-            version = client.policy_version()
+        yield address, keys
     finally:
         stop_event.set()
         feeder.join(10)
         stop(broker)
+
+
+def _policy_version(address: str, keys: dict[str, Path]) -> int:
+    trainer_keys = CurveClientKeys.from_files(keys["trainer_secret"], keys["broker"])
+    with BrokerClient(address, timeout_s=10, curve=trainer_keys) as client:
+        return client.policy_version()
+
+
+@pytest.mark.slow
+def test_train_pulls_batches_checkpoints_and_resumes(tmp_path, fed_broker):
+    address, keys = fed_broker
+    first = _train(tmp_path, address, steps=4, keys=keys)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-5000:]
+    second = _train(tmp_path, address, steps=6, keys=keys)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-5000:]
+    version = _policy_version(address, keys)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     # two minibatches per batch: two optimizer steps (two policy versions) per broker batch
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
@@ -115,3 +133,39 @@ def test_train_pulls_batches_checkpoints_and_resumes(tmp_path):
     latest = json.loads((tmp_path / "train" / "checkpoints" / "latest").read_text())
     assert latest["step"] == 6 and latest["last_batch_id"] == 2
     assert (tmp_path / "final_hf" / "config.json").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_stops_at_a_batch_boundary_with_a_checkpoint_that_a_restart_continues(tmp_path, fed_broker):
+    """SIGTERM to the trainer's process group (what `tidal run`'s stop and Slurm send; torchrun forwards its
+    own) mid-run, with no periodic checkpoint due: both ranks finish the batch, save and exit, so a restart
+    repeats no step. Before, the trainer died mid-step and every step since the last checkpoint was redone."""
+    address, keys = fed_broker
+    metrics = tmp_path / "metrics.jsonl"
+    cmd = [*_train_cmd(tmp_path, address, steps=200, keys=keys), "trainer.checkpoint_every=1000"]
+    log = tmp_path / "trainer.log"  # a file, not a pipe nobody reads while it runs
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-5000:]
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        kill_tree(proc)
+    err = log.read_text()
+    assert proc.returncode != 0, "a stopped trainer does not exit as finished"  # a supervisor restarts it
+    done = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert f"stopped by SIGTERM after step {done[-1]}" in err, err[-5000:]
+    latest = json.loads((tmp_path / "train" / "checkpoints" / "latest").read_text())
+    assert latest["step"] == done[-1] and done == list(range(1, done[-1] + 1))
+    assert latest["last_batch_id"] == (done[-1] - 1) // 2  # two minibatch steps per batch: at a boundary
+    assert not (tmp_path / "final_hf").exists()  # not exported: the run is not finished
+
+    more = _train(tmp_path, address, steps=done[-1] + 2, keys=keys)
+    assert more.returncode == 0, more.stdout[-3000:] + more.stderr[-5000:]
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == list(range(1, done[-1] + 3))  # continued from the stop's checkpoint, nothing redone
+    assert _policy_version(address, keys) == done[-1] + 2
