@@ -198,9 +198,10 @@ class BrokerClient:
                         timeout=wait_s + self.timeout_s,
                     )
             except BrokerTimeout:
-                if deadline is not None:
+                # no reply to this slice's request: the broker may have restarted and lost it; ask again
+                if deadline is not None and time.monotonic() >= deadline:
                     raise
-                continue  # waiting forever: the broker may be restarting; ask again
+                continue
             if self.ask_ahead and body.get("batch") is not None:
                 self._ask_ahead(after + 1, num_groups)
             frames = self._local.frames(body, frames)

@@ -340,9 +340,10 @@ class AsyncBrokerClient:
                     "get_batch", {**request, **self._local.request_field()}, timeout=wait_s + self.timeout_s
                 )
             except BrokerTimeout:
-                if deadline is not None:
+                # no reply to this slice's request: the broker may have restarted and lost it; ask again
+                if deadline is not None and time.monotonic() >= deadline:
                     raise
-                continue  # waiting forever: the broker may be restarting; ask again
+                continue
             frames = self._local.frames(body, frames)
             if frames is None:  # the batch is cut: asked again, it comes at once, on the wire
                 continue

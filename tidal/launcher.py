@@ -25,7 +25,7 @@ from pathlib import Path
 from tidal.config import RunConfig
 from tidal.configio import build, dump_config
 from tidal.errors import ConfigError
-from tidal.procs import free_port, port_in_use, python_cmd, wait_for_tcp
+from tidal.procs import free_port, port_in_use, python_cmd, tail, wait_for_tcp
 from tidal.run_identity import check_run_dir
 from tidal.supervisor import ProcessDied, ProcessSpec, Supervisor
 
@@ -419,13 +419,22 @@ def run_grpo(config: RunConfig, rd: RunDir, sup: Supervisor, view, files, placem
             python_cmd("broker", str(rd.config), data_override),
             rd.logs / "broker.log",
             env={"CUDA_VISIBLE_DEVICES": ""},  # the broker computes nothing on a GPU
+            # restarted on its journal it loses no acknowledged group; nodes and trainer register again
+            restart=True,
+            max_restarts=3,
         )
     )
+    broker = sup.states["broker"]
     try:
-        wait_for_tcp(host, port, 30, sup.states["broker"].proc)
+        wait_for_tcp(host, port, 30, broker.proc)
     except RuntimeError:
-        sup.poll()  # a broker that exited (e.g. refused its journal): ProcessDied with its last log lines
-        raise
+        code = broker.proc.poll()
+        if code is None:
+            raise
+        # one that exits before it listens (e.g. refused its journal) is not restarted: it would again
+        raise ProcessDied(
+            f"broker died with exit code {code}. Last lines of {broker.spec.log}:\n{tail(broker.spec.log, 15)}"
+        ) from None
     for i in range(config.rollout.nodes):
         cmd = python_cmd(
             "rollout",

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from tidal.procs import spawn, stop, tail
 
+CONFIG_ERROR_EXIT = 2
+
 
 @dataclass
 class ProcessSpec:
@@ -74,7 +76,8 @@ class Supervisor:
                 finished.append(name)
                 continue
             last = tail(state.spec.log, 15)
-            if state.spec.restart and state.restarts < state.spec.max_restarts:
+            # exit code 2 is tidal's configuration error (tidal/cli.py): the same command would fail again
+            if state.spec.restart and code != CONFIG_ERROR_EXIT and state.restarts < state.spec.max_restarts:
                 state.restarts += 1
                 self.on_event(
                     f"{name} died with exit code {code}; restarting ({state.restarts}/{state.spec.max_restarts})"

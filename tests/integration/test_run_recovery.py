@@ -1,5 +1,6 @@
-"""`tidal run` survives SIGKILL of a rollout node and, separately, of the trainer: the supervisor restarts
-the node, the trainer resumes from its last checkpoint, and the broker's journal shows every prompt group
+"""`tidal run` survives SIGKILL of a rollout node, of the broker and of the trainer, one after another: the
+supervisor restarts each; the broker resumes its journal and the nodes and the trainer register with it
+again; the trainer resumes from its last checkpoint. The broker's journal shows every prompt group
 accounted for, none in two batches, and the trainer's final lineage trained each batch exactly once."""
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def _kill_between_checkpoints(pid: int, run_dir: Path, timeout_s: float = 120) -
 
 
 @pytest.mark.slow
-def test_job_recovers_from_sigkill_of_a_rollout_node_and_of_the_trainer(tmp_path: Path):
+def test_job_recovers_from_sigkill_of_a_rollout_node_the_broker_and_the_trainer(tmp_path: Path):
     run_dir = tmp_path / "run"
     steps = 10
     cmd = [
@@ -127,6 +128,22 @@ def test_job_recovers_from_sigkill_of_a_rollout_node_and_of_the_trainer(tmp_path
             proc,
             "rollout0's restart",
         )
+        # the broker: restarted on its journal, the nodes and the trainer register with it again
+        broker_pid = next(
+            int(line.split("(pid ")[1].split(")")[0]) for line in output if "started broker (pid" in line
+        )
+        at_kill = len(_steps(run_dir))
+        os.kill(broker_pid, signal.SIGKILL)
+        _wait(
+            lambda: (
+                any("broker died" in line for line in output)
+                and sum("started broker (pid" in line for line in output) >= 2
+            ),
+            60,
+            proc,
+            "the broker's restart",
+        )
+        _wait(lambda: len(_steps(run_dir)) > at_kill, 300, proc, "a GRPO step after the broker's restart")
         _wait(lambda: len(_steps(run_dir)) >= 5, 300, proc, "five GRPO steps (a checkpoint at step 4)")
         trainer_pid = _trainer_worker_pid(run_dir)
         assert trainer_pid is not None, "no trainer process found"
