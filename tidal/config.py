@@ -75,6 +75,16 @@ class RunConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _check_group_size(self) -> RunConfig:
+        if self.trainer.loss.kind == "grpo" and self.broker.group_size < 2:
+            raise ValueError(
+                f"broker.group_size={self.broker.group_size} must be >= 2 with trainer.loss.kind=grpo: a "
+                "sample's advantage is its reward against its group's mean, which a group of one always "
+                "equals, so every advantage would be 0 and nothing would be learned"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_mesh(self) -> RunConfig:
         errors = mesh_errors(
             self.trainer.mesh, self.trainer.nproc * self.trainer.nnodes, self.model.resolved()

@@ -119,6 +119,13 @@ def test_split_args_separates_config_overrides_and_flags():
     assert (cfg, ov, flags) == ("configs/tiny.yaml", ["a.b=1"], ["--broker", "tcp://h:1", "--sync"])
 
 
+def test_grpo_needs_groups_of_at_least_two():
+    with pytest.raises(ConfigError, match=r"broker.group_size=1 must be >= 2 with trainer.loss.kind=grpo"):
+        load_config(RunConfig, "configs/tiny.yaml", ["broker.group_size=1", "warmup.batch_size=1"])
+    config = load_config(RunConfig, "configs/tiny.yaml", ["broker.group_size=2", "warmup.batch_size=2"])
+    assert config.broker.group_size == 2
+
+
 def test_warmup_batch_size_must_be_whole_groups():
     assert load_config(RunConfig, "configs/tiny.yaml", ["warmup.batch_size=64"]).warmup.batch_size == 64
     with pytest.raises(ConfigError, match=r"warmup.batch_size=100 must be a multiple of broker.group_size=8"):
