@@ -18,6 +18,7 @@ from tidal.broker.client_common import (
     batch_from_reply,
     dealer_socket,
     lease_from_reply,
+    log_broker_wait,
     poll_slice_s,
     raise_for_reply,
     timeout_message,
@@ -133,9 +134,19 @@ class BrokerClient:
         except zmq.Again:
             raise BrokerTimeout(timeout_message(type_, self.address, self.timeout_s)) from None
 
-    def register(self, role: str, name: str, meta: dict | None = None) -> str:
+    def register(self, role: str, name: str, meta: dict | None = None, wait_s: float = 0.0) -> str:
+        """Join the broker. With ``wait_s``, a broker that does not answer yet (not started, restarting) is
+        asked again every ``timeout_s``, logged each time, until ``wait_s`` has passed."""
         self._registration = {"role": role, "name": name, "meta": meta or {}}
-        body, _ = self._call("register", self._registration)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                body, _ = self._call("register", self._registration)
+                break
+            except BrokerTimeout:
+                if time.monotonic() >= deadline:
+                    raise
+                log_broker_wait(self.address, wait_s, deadline)
         self.node_id = body["node_id"]
         return self.node_id
 

@@ -27,6 +27,7 @@ from tidal.broker.client_common import (
     batch_from_reply,
     dealer_socket,
     lease_from_reply,
+    log_broker_wait,
     poll_slice_s,
     raise_for_reply,
     timeout_message,
@@ -207,14 +208,23 @@ class AsyncBrokerClient:
             self._ring.close()
             self._ring = None
 
-    async def register(self, role: str, name: str, meta: dict | None = None) -> str:
+    async def register(self, role: str, name: str, meta: dict | None = None, wait_s: float = 0.0) -> str:
+        """Join the broker. With ``wait_s``, a broker that does not answer yet (not started, restarting) is
+        asked again every ``timeout_s``, logged each time, until ``wait_s`` has passed."""
         self._registration = {"role": role, "name": name, "meta": meta or {}}
         if self._host is not None:
             self._registration["host"] = self._host
         self._stream = None
+        deadline = time.monotonic() + wait_s
         async with self._register_lock:
-            await self._register_once()
-        return self.node_id
+            while True:
+                try:
+                    await self._register_once()
+                    return self.node_id
+                except BrokerTimeout:
+                    if time.monotonic() >= deadline:
+                        raise
+                    log_broker_wait(self.address, wait_s, deadline)
 
     async def heartbeat(self) -> dict:
         return (await self._call("heartbeat", {}))[0]

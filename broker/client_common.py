@@ -3,6 +3,7 @@ DEALER socket, and reading a reply into its result."""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -54,6 +55,17 @@ def lease_from_reply(body: dict[str, Any]) -> Lease | None:
 GET_BATCH_SLICE_S = 10.0
 
 
+def log_broker_wait(address: str, wait_s: float, deadline: float) -> None:
+    """One line per unanswered registration while a client waits for its broker to come up."""
+    left = max(0.0, deadline - time.monotonic())
+    logging.getLogger("tidal.broker.client").warning(
+        "no reply from the broker at %s yet; asking again (giving up in %.0f s of %.0f)",
+        address,
+        left,
+        wait_s,
+    )
+
+
 def poll_slice_s(deadline: float | None) -> float:
     if deadline is None:
         return GET_BATCH_SLICE_S
@@ -63,6 +75,10 @@ def poll_slice_s(deadline: float | None) -> float:
 def dealer_socket(ctx: zmq.Context, address: str, curve: CurveClientKeys | None) -> zmq.Socket:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    # Queue only to a completed connection: a request sent while the broker is down (not started yet,
+    # restarting) then waits for the connection and times out, instead of reaching the broker later,
+    # after its caller gave up and asked again (a waiting node would register many times over).
+    sock.setsockopt(zmq.IMMEDIATE, 1)
     if curve is not None:
         curve.apply(sock)
     sock.connect(address)

@@ -163,7 +163,7 @@ class RolloutAgent:
             "host": socket.gethostname(),
             "pid": os.getpid(),
         }
-        await self.client.register("rollout", self.name, meta)
+        await self.client.register("rollout", self.name, meta, wait_s=self.agent_cfg.broker_wait_s)
         hb = await self.client.heartbeat()
         self.policy_version = int(hb.get("policy_version", 0))
 

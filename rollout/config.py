@@ -169,6 +169,12 @@ class AgentConfig(BaseModel):
         20, ge=1, description="groups failing in a row (each released) before the node gives up, exit 1"
     )
     broker_timeout_s: float = Field(30.0, gt=0, description="one broker call")
+    broker_wait_s: float = Field(
+        600.0,
+        ge=0,
+        description="how long to wait at start for a broker that does not answer yet (started after the "
+        "node, or restarting), asking again and logging it every broker_timeout_s; 0: fail at once",
+    )
     curve_secret_key_file: str | None = Field(
         None, description="this node's ZeroMQ CURVE secret certificate (.key_secret); None: no CURVE"
     )

@@ -180,6 +180,12 @@ class TrainerConfig(BaseModel):
     batch_timeout_s: float = Field(
         600.0, gt=0, description="how long to wait for the broker's next batch before giving up"
     )
+    broker_wait_s: float = Field(
+        600.0,
+        ge=0,
+        description="how long to wait at start for a broker that does not answer yet (started after the "
+        "trainer, or restarting), asking again and logging it every 30 s; 0: fail at once",
+    )
     curve_secret_key_file: str | None = Field(
         None,
         description="the trainer's ZeroMQ CURVE secret certificate (.key_secret) for a broker with "

@@ -54,14 +54,14 @@ def parse_options(args: list[str]) -> TrainOptions:
 class _BatchFeed:
     """Rank 0's broker connection: batches fetched one ahead in a thread; the rest on the main thread."""
 
-    def __init__(self, address: str, timeout_s: float, curve=None):
+    def __init__(self, address: str, timeout_s: float, curve=None, broker_wait_s: float = 0.0):
         from tidal.broker.client import BrokerClient
 
         self.address = address
         self.timeout_s = timeout_s
         self.fetcher = BrokerClient(address, curve=curve)
         self.control = BrokerClient(address, curve=curve)
-        self.control.register("trainer", f"trainer-{dist.get_world_size()}ranks")
+        self.control.register("trainer", f"trainer-{dist.get_world_size()}ranks", wait_s=broker_wait_s)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
         self.pending: tuple[int, concurrent.futures.Future] | None = None
 
@@ -153,7 +153,7 @@ def main(config: RunConfig, args: list[str]) -> int:
     if progress is None:
         progress = Progress()
     feed = (
-        _BatchFeed(opts.broker or config.broker.bind, tc.batch_timeout_s, curve)
+        _BatchFeed(opts.broker or config.broker.bind, tc.batch_timeout_s, curve, tc.broker_wait_s)
         if trainer.rank == 0
         else None
     )

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tidal.broker.client import AsyncBrokerClient, BrokerClient
+from tidal.broker.client import AsyncBrokerClient, BrokerClient, BrokerTimeout
 from tidal.broker.testing import fake_group, start_broker
 from tidal.procs import free_port, kill_tree, stop, tail
 
@@ -80,3 +80,35 @@ def test_a_batch_request_lost_with_a_killed_broker_is_asked_again_of_its_success
             assert batch is not None and batch.batch_id == 0 and len(batch.groups) == 2
     finally:
         stop(proc)
+
+
+def test_clients_started_before_their_broker_wait_for_it_and_register(tmp_path, caplog):
+    """On a cluster every actor may start at once: a node or a trainer whose broker is not up yet asks
+    again, saying so, until it answers (``register(wait_s=...)``); without a wait it fails as before."""
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    with (
+        BrokerClient(address, timeout_s=0.5) as early,
+        BrokerClient(address, timeout_s=1.0) as waiting,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        with pytest.raises(BrokerTimeout):
+            early.register("trainer", "no-wait")
+        trainer = pool.submit(waiting.register, "trainer", "t", None, 60.0)
+
+        async def node() -> str:
+            async with AsyncBrokerClient(address, timeout_s=1.0) as client:
+                return await client.register("rollout", "n", wait_s=60.0)
+
+        rollout = pool.submit(asyncio.run, node())
+        time.sleep(3.0)  # both ask, and ask again
+        proc, _ = start_broker(tmp_path, 8, port=port)
+        try:
+            assert trainer.result(timeout=30) and rollout.result(timeout=30)
+            stats = waiting.stats()
+        finally:
+            stop(proc)
+    assert any("no reply from the broker at" in r.getMessage() for r in caplog.records)
+    # requests queued while it was down may reach it too; membership still holds one of each client
+    roles = sorted(n["role"] for n in stats["nodes"].values() if n["alive"] and n["name"] != "no-wait")
+    assert roles == ["rollout", "trainer"], stats["nodes"]
