@@ -16,6 +16,7 @@ batch in a background thread while the current one trains.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import sys
 import time
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from tidal.config import RunConfig
 from tidal.errors import ConfigError
 from tidal.trainer.flags import parse_flags
 from tidal.trainer.stop_request import StopRequest
+
+log = logging.getLogger("tidal.trainer")
 
 
 @dataclass
@@ -64,6 +67,7 @@ class _BatchFeed:
         self.control.register("trainer", f"trainer-{dist.get_world_size()}ranks", wait_s=broker_wait_s)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
         self.pending: tuple[int, concurrent.futures.Future] | None = None
+        self._engines: list[str] = []
 
     def prefetch(self, after: int) -> None:
         if self.pending is None or self.pending[0] != after:
@@ -81,14 +85,34 @@ class _BatchFeed:
         self.pending = None
         return batch
 
+    # A broker killed with one of these calls in flight never answers it; it is restarted on its journal
+    # (`tidal run` does). Each call is cumulative (the next version, the next report, the next stats cover
+    # a lost one), so the trainer goes on instead of dying on the BrokerTimeout.
+    def publish_version(self, version: int) -> None:
+        self._tolerant(self.control.publish_version, version)
+
+    def report_consumed(self, batch_id: int) -> None:
+        self._tolerant(self.control.report_consumed, batch_id)
+
     def engines(self) -> list[str]:
-        nodes = self.control.stats().get("nodes", {})
-        return sorted(
-            url
-            for node in nodes.values()
-            if node.get("role") == "rollout" and node.get("alive")
-            for url in node.get("meta", {}).get("engines", [])
-        )
+        stats = self._tolerant(self.control.stats)
+        if stats is not None:
+            self._engines = sorted(
+                url
+                for node in stats.get("nodes", {}).values()
+                if node.get("role") == "rollout" and node.get("alive")
+                for url in node.get("meta", {}).get("engines", [])
+            )
+        return self._engines
+
+    def _tolerant(self, call, *args):
+        from tidal.broker.client import BrokerTimeout
+
+        try:
+            return call(*args)
+        except BrokerTimeout as exc:
+            log.warning("%s; going on (the broker may be restarting; the next call covers this one)", exc)
+            return None
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -162,7 +186,7 @@ def main(config: RunConfig, args: list[str]) -> int:
     stop = StopRequest()
     try:
         if feed is not None:
-            feed.control.publish_version(progress.step)
+            feed.publish_version(progress.step)
         last_saved = progress.step
         last_wall = time.perf_counter()
         stopped = False
@@ -199,7 +223,7 @@ def main(config: RunConfig, args: list[str]) -> int:
                 progress.samples += len(items)
                 sync_s = push.after_step(progress.step)
                 if feed is not None:
-                    feed.control.publish_version(progress.step)
+                    feed.publish_version(progress.step)
                 now = time.perf_counter()
                 if writer is not None:
                     metrics = dict(result.stats)
@@ -226,11 +250,11 @@ def main(config: RunConfig, args: list[str]) -> int:
                 trainer.save(out, progress)
                 last_saved = progress.step
                 if feed is not None:
-                    feed.control.report_consumed(batch.batch_id)
+                    feed.report_consumed(batch.batch_id)
         if progress.step > last_saved:
             trainer.save(out, progress)
             if feed is not None and progress.last_batch_id >= 0:
-                feed.control.report_consumed(progress.last_batch_id)
+                feed.report_consumed(progress.last_batch_id)
         if stopped:
             if trainer.rank == 0:
                 print(
