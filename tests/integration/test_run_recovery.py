@@ -87,6 +87,22 @@ def _kill_between_checkpoints(pid: int, run_dir: Path, timeout_s: float = 120) -
         time.sleep(0.05)
 
 
+def _kill_and_see_restarted(name: str, output: list[str], proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher's process ``name`` (its pid from the launcher's output), then wait until the
+    launcher has seen it die and started it again."""
+    started = f"started {name} (pid "
+    pid = next(int(line.split("(pid ")[1].split(")")[0]) for line in output if started in line)
+    os.kill(pid, signal.SIGKILL)
+    _wait(
+        lambda: (
+            any(f"{name} died" in line for line in output) and sum(started in line for line in output) >= 2
+        ),
+        60,
+        proc,
+        f"{name}'s restart",
+    )
+
+
 @pytest.mark.slow
 def test_job_recovers_from_sigkill_of_a_rollout_node_the_broker_and_the_trainer(tmp_path: Path):
     run_dir = tmp_path / "run"
@@ -115,34 +131,10 @@ def test_job_recovers_from_sigkill_of_a_rollout_node_the_broker_and_the_trainer(
     reader.start()
     try:
         _wait(lambda: len(_steps(run_dir)) >= 2, 400, proc, "two GRPO steps")
-        node_pid = next(
-            int(line.split("(pid ")[1].split(")")[0]) for line in output if "started rollout0 (pid" in line
-        )
-        os.kill(node_pid, signal.SIGKILL)
-        _wait(
-            lambda: (
-                any("rollout0 died" in line for line in output)
-                and sum("started rollout0 (pid" in line for line in output) >= 2
-            ),
-            60,
-            proc,
-            "rollout0's restart",
-        )
+        _kill_and_see_restarted("rollout0", output, proc)
         # the broker: restarted on its journal, the nodes and the trainer register with it again
-        broker_pid = next(
-            int(line.split("(pid ")[1].split(")")[0]) for line in output if "started broker (pid" in line
-        )
         at_kill = len(_steps(run_dir))
-        os.kill(broker_pid, signal.SIGKILL)
-        _wait(
-            lambda: (
-                any("broker died" in line for line in output)
-                and sum("started broker (pid" in line for line in output) >= 2
-            ),
-            60,
-            proc,
-            "the broker's restart",
-        )
+        _kill_and_see_restarted("broker", output, proc)
         _wait(lambda: len(_steps(run_dir)) > at_kill, 300, proc, "a GRPO step after the broker's restart")
         _wait(lambda: len(_steps(run_dir)) >= 5, 300, proc, "five GRPO steps (a checkpoint at step 4)")
         trainer_pid = _trainer_worker_pid(run_dir)
