@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from pathlib import Path
 
 from tidal.broker.journal import Journal
 from tidal.broker.journal_lock import lock_journal_dir
@@ -43,7 +42,7 @@ def build_state(config) -> BrokerState:
     source = PromptSource(
         load_rows(cfg.data.path), seed=cfg.data.seed, shuffle=cfg.data.shuffle, epochs=cfg.data.epochs
     )
-    journal_dir = Path(cfg.journal.dir or Path(config.run_dir) / "journal")
+    journal_dir = config.journal_dir()
     _held_locks.append(lock_journal_dir(journal_dir, cfg.bind))  # for the process's life
     journal = Journal(
         journal_dir,

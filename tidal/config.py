@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -64,6 +65,10 @@ class RunConfig(BaseModel):
     weights_sync: WeightSyncConfig = WeightSyncConfig()
     warmup: WarmupConfig = WarmupConfig()
     gpus: GpuConfig = GpuConfig()
+
+    def journal_dir(self) -> Path:
+        """Where the broker journals: ``broker.journal.dir``, else ``<run_dir>/journal``."""
+        return Path(self.broker.journal.dir or Path(self.run_dir) / "journal")
 
     @model_validator(mode="after")
     def _check_warmup_batch(self) -> RunConfig:

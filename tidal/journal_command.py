@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from tidal.errors import ConfigError
 from tidal.journal_audit import JournalAudit, audit_journal
@@ -93,7 +92,7 @@ def main(config, args: list[str]) -> int:
         raise ConfigError(f"tidal journal: --format={opts.format!r}; use text or json")
     if len(paths) > 1:
         raise ConfigError(f"tidal journal: one journal at a time, got {paths} (usage: tidal journal {USAGE})")
-    path = paths[0] if paths else config.broker.journal.dir or Path(config.run_dir) / "journal"
+    path = paths[0] if paths else config.journal_dir()
     audit = audit_journal(path)
     if opts.format == "json":
         print(json.dumps(audit.as_dict(), indent=2, sort_keys=True))

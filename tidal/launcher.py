@@ -25,7 +25,7 @@ from pathlib import Path
 from tidal.config import RunConfig
 from tidal.configio import build, dump_config
 from tidal.errors import ConfigError
-from tidal.procs import free_port, port_in_use, python_cmd, tail, wait_for_tcp
+from tidal.procs import free_port, port_in_use, python_cmd, wait_for_tcp
 from tidal.run_identity import check_run_dir
 from tidal.supervisor import ProcessDied, ProcessSpec, Supervisor
 
@@ -348,7 +348,7 @@ def journal_summary(config: RunConfig, rd: RunDir) -> dict:
     """The broker journal's account of every prompt group (tidal/journal_audit.py)."""
     from tidal.journal_audit import audit_journal
 
-    return audit_journal(config.broker.journal.dir or rd.root / "journal").as_dict()
+    return audit_journal(config.journal_dir()).as_dict()
 
 
 # The trainer finishes its batch and saves a checkpoint when signalled (trainer/stop_request.py); torchrun
@@ -428,13 +428,10 @@ def run_grpo(config: RunConfig, rd: RunDir, sup: Supervisor, view, files, placem
     try:
         wait_for_tcp(host, port, 30, broker.proc)
     except RuntimeError:
-        code = broker.proc.poll()
-        if code is None:
+        if broker.proc.poll() is None:
             raise
         # one that exits before it listens (e.g. refused its journal) is not restarted: it would again
-        raise ProcessDied(
-            f"broker died with exit code {code}. Last lines of {broker.spec.log}:\n{tail(broker.spec.log, 15)}"
-        ) from None
+        raise sup.died("broker") from None
     for i in range(config.rollout.nodes):
         cmd = python_cmd(
             "rollout",

@@ -44,7 +44,7 @@ def artifacts(config: RunConfig, root: Path) -> list[Artifact]:
         held.append(
             Artifact(f"its SFT checkpoint {root / 'sft' / 'hf'}", ("model", "seed", "warmup", "task"))
         )
-    journal = Path(config.broker.journal.dir or root / "journal")
+    journal = config.journal_dir()
     if any(journal.glob("journal*.log")):
         held.append(Artifact(f"its broker journal {journal}", ("task", "seed", "broker.data")))
     return held

@@ -75,7 +75,6 @@ class Supervisor:
             if code == 0 and state.spec.expect_exit:
                 finished.append(name)
                 continue
-            last = tail(state.spec.log, 15)
             # exit code 2 is tidal's configuration error (tidal/cli.py): the same command would fail again
             if state.spec.restart and code != CONFIG_ERROR_EXIT and state.restarts < state.spec.max_restarts:
                 state.restarts += 1
@@ -84,8 +83,14 @@ class Supervisor:
                 )
                 self.start(state.spec)
                 continue
-            raise ProcessDied(f"{name} died with exit code {code}. Last lines of {state.spec.log}:\n{last}")
+            raise self.died(name)
         return finished
+
+    def died(self, name: str) -> ProcessDied:
+        """The error for process ``name``, which exited: its exit code and the last lines of its log."""
+        state = self.states[name]
+        code, log = state.proc.poll(), state.spec.log
+        return ProcessDied(f"{name} died with exit code {code}. Last lines of {log}:\n{tail(log, 15)}")
 
     def stop_all(
         self,

@@ -257,8 +257,9 @@ def main(config: RunConfig, args: list[str]) -> int:
                 feed.report_consumed(progress.last_batch_id)
         if stopped:
             if trainer.rank == 0:
+                by = stop.name if stop.requested else "a signal to another rank"
                 print(
-                    f"tidal train: stopped by {stop.name if stop.requested else 'a signal to another rank'} after step {progress.step} (broker batch "
+                    f"tidal train: stopped by {by} after step {progress.step} (broker batch "
                     f"{progress.last_batch_id}); its checkpoint is in {out}, a restart resumes from it",
                     file=sys.stderr,
                     flush=True,
