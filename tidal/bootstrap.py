@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
 
-from tidal.model_config import ModelConfig
+from tidal.model_config import ModelConfig, has_hf_weights
+from tidal.weights_sync.hf_io import copy_side_files
 
 
 def init_hf_model(model: ModelConfig, tokenizer_dir: str | Path, out_dir: str | Path, seed: int = 0) -> Path:
@@ -18,13 +18,13 @@ def init_hf_model(model: ModelConfig, tokenizer_dir: str | Path, out_dir: str | 
     from transformers import AutoModelForCausalLM
 
     out = Path(out_dir)
-    if (out / "model.safetensors").exists() or (out / "model.safetensors.index.json").exists():
+    if has_hf_weights(out):
         return out
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_config(model.to_hf_config(), dtype=torch.float32)
     out.mkdir(parents=True, exist_ok=True)
     hf.save_pretrained(str(out), safe_serialization=True)
-    for f in Path(tokenizer_dir).iterdir():
-        if f.is_file():
-            shutil.copy2(f, out / f.name)
+    # the tokenizer may come from a model's own directory (task.tokenizer=/models/Qwen3-8B): not its weights,
+    # its config or its generation defaults
+    copy_side_files(tokenizer_dir, out, skip=("config.json", "generation_config.json"))
     return out

@@ -20,7 +20,16 @@ class WarmupConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    enabled: bool = True
+    enabled: bool | None = Field(
+        None,
+        description="None: warm up when there are demonstrations (warmup.data, or the task's own: arithmetic "
+        "writes them); false: GRPO starts from the initial model (model.path, e.g. an instruct checkpoint)",
+    )
+    data: str | None = Field(
+        None,
+        description="demonstrations for the warm-up: {prompt, response} rows, JSONL or parquet; None: the "
+        "task's own",
+    )
     steps: int = Field(250, ge=1)
     lr: float = Field(1e-3, gt=0)
     schedule: Literal["constant", "cosine", "linear"] = Field(

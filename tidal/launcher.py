@@ -6,10 +6,11 @@
     tidal run --resume RUN_DIR              # continue a stopped job
     flags: --plain (line-per-step output instead of the live view), --no-control (skip the SFT control)
 
-Steps: prepare the task's data and tokenizer, initialise the model, warm it up with ``tidal sft``,
-start the broker, the rollout nodes and the trainer (torchrun) as processes, watch them (restart dead
-rollout nodes; resume a dead trainer from its checkpoint), then evaluate the SFT checkpoint, the GRPO
-result and an SFT control on held-out problems and print the comparison. Everything goes to the run
+Steps: prepare the task's data and tokenizer, initialise the model (or start from ``model.path``), warm it
+up with ``tidal sft`` where there are demonstrations (``tidal/run_plan.py``), start the broker, the rollout
+nodes and the trainer (torchrun) as processes, watch them (restart dead rollout nodes; resume a dead
+trainer from its checkpoint), then evaluate the model GRPO started from, the GRPO result and (after a
+warm-up) an SFT control on held-out problems and print the comparison. Everything goes to the run
 directory: resolved config, metrics, TensorBoard events, plots, logs of every process, checkpoints, report.
 """
 
@@ -27,6 +28,7 @@ from tidal.configio import build, dump_config
 from tidal.errors import ConfigError
 from tidal.procs import free_port, port_in_use, python_cmd, wait_for_tcp
 from tidal.run_identity import check_run_dir
+from tidal.run_plan import RunPlan, plan_run
 from tidal.supervisor import ProcessDied, ProcessSpec, Supervisor
 
 
@@ -292,11 +294,12 @@ def main(config: RunConfig, args: list[str]) -> int:
     placement = plan_placement(config)  # a device combination that cannot run fails before anything starts
     config = _with(config, placement.overrides)
     check_curve_keys(config)
-    check_run_dir(config, Path(config.run_dir))  # before anything is written into it
+    rd = RunDir(config.run_dir)
+    plan = plan_run(config, rd.root, rd.init_hf)
+    check_run_dir(config, rd.root)  # before anything is written into it
     check_broker_ports(config)
     from tidal.rollout.tasks import prepare_task
 
-    rd = RunDir(config.run_dir)
     rd.make()
     dump_config(config, rd.config)
     interactive = sys.stdout.isatty() and not opts.plain
@@ -313,18 +316,23 @@ def main(config: RunConfig, args: list[str]) -> int:
         files = prepare_task(config, rd.root)
         view.event(f"task {config.task.name}: data in {files.train.parent}, tokenizer {files.tokenizer}")
         view.event(f"placement: {placement.summary}")
-        from tidal.bootstrap import init_hf_model
+        if plan.writes_initial:
+            from tidal.bootstrap import init_hf_model
 
-        init_hf_model(config.model, files.tokenizer, rd.init_hf, seed=config.seed)
+            init_hf_model(config.model, files.tokenizer, rd.init_hf, seed=config.seed)
+        view.event(f"initial model {plan.initial}")
         t0 = time.time()
-        if not (rd.sft_hf / "config.json").exists():
-            view.event("supervised warm-up (tidal sft)")
-            run_phase(sup, warmup_spec(config, rd, placement.trainer_env))
+        if plan.warmup and not (rd.sft_hf / "config.json").exists():
+            view.event(f"supervised warm-up (tidal sft) on {plan.demonstrations}")
+            run_phase(sup, warmup_spec(config, rd, plan, placement.trainer_env))
+        elif not plan.warmup:
+            view.event("no warm-up: GRPO starts from the initial model")
         sft_wall = time.time() - t0
+        start = plan.start(rd.sft_hf)
         with view:
-            grpo_wall = run_grpo(config, rd, sup, view, files, placement)
+            grpo_wall = run_grpo(config, rd, sup, view, files, start, placement)
         stop_job(sup)
-        results = evaluate_all(config, rd, sup, view, files, grpo_wall, opts.control, placement)
+        results = evaluate_all(config, rd, sup, view, plan, grpo_wall, opts.control, placement)
         results["sft_wall_s"] = sft_wall
         results["grpo_wall_s"] = grpo_wall
         results["journal"] = journal_summary(config, rd)
@@ -364,7 +372,9 @@ def stop_job(sup: Supervisor) -> None:
     )
 
 
-def warmup_spec(config: RunConfig, rd: RunDir, env: dict[str, str] | None = None) -> ProcessSpec:
+def warmup_spec(
+    config: RunConfig, rd: RunDir, plan: RunPlan, env: dict[str, str] | None = None
+) -> ProcessSpec:
     """``tidal sft`` from the initial model with the warm-up's own schedule (annealed to zero)."""
     w = config.warmup
     overrides = [
@@ -375,7 +385,12 @@ def warmup_spec(config: RunConfig, rd: RunDir, env: dict[str, str] | None = None
     ]
     if w.batch_size is not None:  # tidal sft trains batch_groups * group_size sequences per step
         overrides.append(f"broker.batch_groups={w.batch_size // config.broker.group_size}")
-    flags = [f"--init={rd.init_hf}", f"--out={rd.sft}", f"--steps={w.steps}"]
+    flags = [
+        f"--init={plan.initial}",
+        f"--data={plan.demonstrations}",
+        f"--out={rd.sft}",
+        f"--steps={w.steps}",
+    ]
     cmd = torchrun_cmd(config.trainer.nproc, free_port(), "sft", str(rd.config), *overrides, *flags)
     return ProcessSpec(name="sft", cmd=cmd, log=rd.logs / "sft.log", env=env or {}, expect_exit=True)
 
@@ -402,8 +417,11 @@ def control_spec(
     return ProcessSpec(name="control", cmd=cmd, log=rd.logs / "control.log", env=env or {}, expect_exit=True)
 
 
-def run_grpo(config: RunConfig, rd: RunDir, sup: Supervisor, view, files, placement: Placement) -> float:
-    """Broker + rollout nodes + trainer until the trainer finishes its steps; returns the wall time."""
+def run_grpo(
+    config: RunConfig, rd: RunDir, sup: Supervisor, view, files, start: Path, placement: Placement
+) -> float:
+    """Broker + rollout nodes + trainer from the model ``start`` until the trainer finishes its steps;
+    returns the wall time."""
     from tidal.broker.client import BrokerClient
     from tidal.broker.curve import client_keys
     from tidal.live_view import read_metrics
@@ -436,7 +454,7 @@ def run_grpo(config: RunConfig, rd: RunDir, sup: Supervisor, view, files, placem
         cmd = python_cmd(
             "rollout",
             str(rd.config),
-            f"model.path={rd.sft_hf}",
+            f"model.path={start}",
             "--broker",
             config.broker.bind,
             "--name",
@@ -453,7 +471,7 @@ def run_grpo(config: RunConfig, rd: RunDir, sup: Supervisor, view, files, placem
             )
         )
     train_cmd = torchrun_cmd(
-        config.trainer.nproc, free_port(), "train", str(rd.config), f"--init={rd.sft}", f"--out={rd.train}"
+        config.trainer.nproc, free_port(), "train", str(rd.config), f"--init={start}", f"--out={rd.train}"
     )
     trainer = ProcessSpec(
         "trainer",
@@ -494,46 +512,59 @@ def evaluate_all(
     rd: RunDir,
     sup: Supervisor,
     view,
-    files,
+    plan: RunPlan,
     grpo_wall: float,
     control: bool,
     placement: Placement,
 ) -> dict:
+    """Held-out accuracy of the model GRPO started from, of GRPO's result and, after a warm-up, of the SFT
+    control; nothing to evaluate without held-out rows."""
     from tidal.evaluate import evaluate_dir
     from tidal.rollout.tasks import build_task
     from tidal.rollout.tasks.data import read_rows
 
+    if plan.eval_rows is None:
+        view.event("no held-out rows (task.eval_path): nothing evaluated")
+        return {"eval_problems": 0}
     task = build_task(config, rd.root)
-    rows = list(read_rows(files.eval))
+    rows = list(read_rows(plan.eval_rows))
     max_new = config.rollout.sampling.max_new_tokens
-    results: dict = {"eval_problems": len(rows)}
-    results["sft"] = evaluate_dir(rd.sft_hf, task, rows, max_new).as_dict()
+    results: dict = {"eval_problems": len(rows), "start": plan.start_name}
+    results[plan.start_name] = evaluate_dir(plan.start(rd.sft_hf), task, rows, max_new).as_dict()
     results["grpo"] = evaluate_dir(rd.final_hf, task, rows, max_new).as_dict()
-    if control:
+    if control and plan.warmup:
         view.event(f"control: continued SFT at GRPO's lr for {grpo_wall:.0f}s")
         run_phase(sup, control_spec(config, rd, grpo_wall, placement.trainer_env))
         results["control_sft"] = evaluate_dir(rd.control / "hf", task, rows, max_new).as_dict()
     return results
 
 
+REPORT_ROWS = (
+    ("initial", "initial model"),
+    ("sft", "SFT warm-up"),
+    ("grpo", "async GRPO"),
+    ("control_sft", "SFT control (same wall time)"),
+)
+
+
 def print_report(results: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"held-out greedy accuracy ({results['eval_problems']} problems)")
-    table.add_column("checkpoint")
-    table.add_column("accuracy", justify="right")
-    table.add_column("vs SFT", justify="right")
-    base = results["sft"]["accuracy"]
-    for key, label in (
-        ("sft", "SFT warm-up"),
-        ("grpo", "async GRPO"),
-        ("control_sft", "SFT control (same wall time)"),
-    ):
-        if key in results:
-            acc = results[key]["accuracy"]
-            table.add_row(label, f"{100 * acc:.1f}%", f"{100 * (acc - base):+.1f} pts")
-    Console().print(table)
+    if not results["eval_problems"]:
+        print("held-out accuracy: no eval rows (set task.eval_path to verl rows to evaluate)")
+    else:
+        start = results.get("start", "sft")
+        table = Table(title=f"held-out greedy accuracy ({results['eval_problems']} problems)")
+        table.add_column("checkpoint")
+        table.add_column("accuracy", justify="right")
+        table.add_column("vs SFT" if start == "sft" else "vs initial", justify="right")
+        base = results[start]["accuracy"]
+        for key, label in REPORT_ROWS:
+            if key in results:
+                acc = results[key]["accuracy"]
+                table.add_row(label, f"{100 * acc:.1f}%", f"{100 * (acc - base):+.1f} pts")
+        Console().print(table)
     j = results.get("journal")
     if j:
         verdict = "; ".join(j["problems"]) or "no group lost or trained twice"

@@ -176,7 +176,15 @@ class ModelConfig(BaseModel):
         """This config with the fields of ``path``'s config.json applied, if a path is given."""
         if not self.path:
             return self
-        hf = json.loads((Path(self.path) / "config.json").read_text())
+        path = Path(self.path) / "config.json"
+        try:
+            hf = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ValueError(
+                f"model.path={self.path}: no config.json there; give a Hugging Face model directory"
+            ) from None
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"model.path={self.path}: {path} does not read as JSON ({exc})") from None
         return ModelConfig.from_hf_dict(hf, path=self.path)
 
     @classmethod
@@ -336,3 +344,9 @@ class ModelConfig(BaseModel):
 
         d = self.to_hf_dict()
         return AutoConfig.for_model(d.pop("model_type"), **d)
+
+
+def has_hf_weights(directory: str | Path) -> bool:
+    """Whether ``directory`` holds a Hugging Face model's safetensors weights (one file, or shards and index)."""
+    d = Path(directory)
+    return (d / "model.safetensors").exists() or (d / "model.safetensors.index.json").exists()

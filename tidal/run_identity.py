@@ -5,8 +5,10 @@ again. Most settings may change between launches (``trainer.steps`` to train lon
 the staleness bound); these may not, once what they made exists, because the launcher would keep the
 old files and mix them with the new settings:
 
-- ``model.*`` and ``seed``: the initial model (``init_hf/``), and the SFT and trainer checkpoints built on it;
-- ``warmup.*``: the SFT checkpoint (``sft/hf/``), which is not made again;
+- ``model.*`` and ``seed``: the initial model (``init_hf/``), and the SFT and trainer checkpoints built on it
+  (also when the run starts from ``model.path``, which it does not copy);
+- ``warmup.*``: the SFT checkpoint (``sft/hf/``), which is not made again, and the trainer checkpoint that
+  started from it or, without a warm-up, from the initial model;
 - ``task.*`` (but ``task.reward_workers``), ``seed`` and ``broker.data.*`` (but ``broker.data.epochs``): the
   prompts the broker's journal took, and the demonstrations the SFT checkpoint learned from.
 """
@@ -21,6 +23,7 @@ from typing import Any
 from tidal.config import RunConfig
 from tidal.configio import load_config
 from tidal.errors import ConfigError
+from tidal.model_config import has_hf_weights
 
 # settings that change nothing already made: how rewards are computed in parallel, how many epochs to run
 MAY_CHANGE = ("task.reward_workers", "broker.data.epochs")
@@ -38,12 +41,15 @@ def artifacts(config: RunConfig, root: Path) -> list[Artifact]:
     """What ``root`` already holds of a run (the artifacts that bind its settings)."""
     held = []
     init = root / "init_hf"
-    if (init / "model.safetensors").exists() or (init / "model.safetensors.index.json").exists():
+    if has_hf_weights(init):
         held.append(Artifact(f"its initial model {init}", ("model", "seed")))
     if (root / "sft" / "hf" / "config.json").exists():
         held.append(
             Artifact(f"its SFT checkpoint {root / 'sft' / 'hf'}", ("model", "seed", "warmup", "task"))
         )
+    latest = root / "train" / "checkpoints" / "latest"  # the trainer's (trainer/checkpoint.py)
+    if latest.exists():
+        held.append(Artifact(f"its trainer checkpoint {latest.parent}", ("model", "seed", "warmup")))
     journal = config.journal_dir()
     if any(journal.glob("journal*.log")):
         held.append(Artifact(f"its broker journal {journal}", ("task", "seed", "broker.data")))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,14 +13,6 @@ from tidal.trainer import checkpoint, models, parallel, reference
 from tidal.trainer.optimizer import build_train_state, gather_full_weights
 from tidal.trainer.packing import MinibatchPlan, SequenceItem, plan_minibatch
 from tidal.trainer.step import LossFn, StepResult, policy_logprobs, train_step
-
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-)
 
 
 def hf_dir(path: str | Path) -> Path:
@@ -140,7 +131,7 @@ class TrainerRank:
 
         from tidal.weights_sync.families import mapping_for
         from tidal.weights_sync.gather import Groups, iter_hf
-        from tidal.weights_sync.hf_io import save
+        from tidal.weights_sync.hf_io import copy_side_files, save
 
         gather_full_weights(self.state.chunks)
         chunks = [models.unwrap(c) for c in self.state.chunks]
@@ -158,10 +149,8 @@ class TrainerRank:
             merged = {k: v for part in parts for k, v in part.items()}
             save(directory, merged, self.model_config)
             source = _tokenizer_dir(tokenizer_from) if tokenizer_from is not None else None
-            if source is not None:
-                for name in _TOKENIZER_FILES:
-                    if (source / name).exists():
-                        shutil.copy(source / name, Path(directory) / name)
+            if source is not None:  # its tokenizer, chat template and generation defaults
+                copy_side_files(source, directory)
         dist.barrier()
 
     # ------------------------------------------------------------------ checkpoints

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -14,6 +15,21 @@ from tidal.model_config import ModelConfig
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".index.json")
+
+
+def copy_side_files(
+    source: str | Path, target: str | Path, skip: tuple[str, ...] = ("config.json",)
+) -> list[str]:
+    """Copy what a Hugging Face directory holds beside its weights (tokenizer files, chat template,
+    generation config, remote code) from ``source`` into ``target``: every file but the weights and ``skip``.
+    Returns the names copied."""
+    copied = []
+    for f in sorted(Path(source).iterdir()):
+        if f.is_file() and f.name not in skip and not f.name.endswith(WEIGHT_SUFFIXES):
+            shutil.copy2(f, Path(target) / f.name)
+            copied.append(f.name)
+    return copied
 
 
 def weight_files(directory: str | Path) -> dict[str, Path]:

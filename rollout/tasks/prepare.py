@@ -30,11 +30,14 @@ TASKS: dict[str, type[Task]] = {
 }
 
 
+ARITHMETIC_SFT = "sft.jsonl"  # the arithmetic task's own demonstrations, in <run_dir>/data
+
+
 @dataclass(frozen=True)
 class TaskFiles:
     train: Path  # verl rows the broker serves
     eval: Path | None
-    sft: Path | None  # {"prompt", "response"} rows for the supervised warm-up
+    sft: Path | None  # {"prompt", "response"} rows for the supervised warm-up; None: the task has none
     tokenizer: Path  # a Hugging Face tokenizer directory
 
 
@@ -42,12 +45,14 @@ def task_files(config: RunConfig, run_dir: str | Path | None = None) -> TaskFile
     """The task's files for this config (they may not exist yet; see ``prepare_task``)."""
     run_dir = Path(run_dir or config.run_dir)
     task = config.task
+    demonstrations = Path(config.warmup.data) if config.warmup.data else None
     if task.name == "arithmetic":
         data = run_dir / "data"
+        generated = not config.broker.data.path  # with its own data, the task writes demonstrations too
         return TaskFiles(
             train=Path(config.broker.data.path) if config.broker.data.path else data / "train.jsonl",
             eval=Path(task.eval_path) if task.eval_path else data / "eval.jsonl",
-            sft=data / "sft.jsonl",
+            sft=demonstrations or (data / ARITHMETIC_SFT if generated else None),
             tokenizer=Path(task.tokenizer) if task.tokenizer else run_dir / "tokenizer",
         )
     if not config.broker.data.path:
@@ -62,7 +67,7 @@ def task_files(config: RunConfig, run_dir: str | Path | None = None) -> TaskFile
     return TaskFiles(
         train=Path(config.broker.data.path),
         eval=Path(task.eval_path) if task.eval_path else None,
-        sft=None,
+        sft=demonstrations,
         tokenizer=Path(tokenizer),
     )
 
@@ -78,7 +83,8 @@ def _write_arithmetic(config: RunConfig, files: TaskFiles) -> None:
         "charset": DEFAULT_CHARSET,
     }
     manifest_path = files.train.parent / "manifest.json"
-    wanted = [files.train, files.eval, files.sft, files.tokenizer / "tokenizer.json"]
+    sft = files.train.parent / ARITHMETIC_SFT  # written even when warmup.data names other demonstrations
+    wanted = [files.train, files.eval, sft, files.tokenizer / "tokenizer.json"]
     if (
         manifest_path.exists()
         and json.loads(manifest_path.read_text()) == manifest
@@ -91,7 +97,7 @@ def _write_arithmetic(config: RunConfig, files: TaskFiles) -> None:
         raise ConfigError(str(exc)) from None
     write_records(files.train, train)
     write_records(files.eval, evaluation)
-    write_records(files.sft, arithmetic.sft_records(train[: task.num_sft]))
+    write_records(sft, arithmetic.sft_records(train[: task.num_sft]))
     save_char_tokenizer(files.tokenizer, DEFAULT_CHARSET)
     manifest_path.write_text(json.dumps(manifest, indent=1))
 
@@ -101,7 +107,7 @@ def prepare_task(config: RunConfig, run_dir: str | Path | None = None) -> TaskFi
     files = task_files(config, run_dir)
     if config.task.name == "arithmetic" and not config.broker.data.path:
         _write_arithmetic(config, files)
-    missing = [str(p) for p in (files.train, files.eval) if p is not None and not p.exists()]
+    missing = [str(p) for p in (files.train, files.eval, files.sft) if p is not None and not p.exists()]
     if (
         not (files.tokenizer / "tokenizer.json").exists()
         and not (files.tokenizer / "tokenizer_config.json").exists()

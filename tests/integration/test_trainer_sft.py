@@ -1,8 +1,8 @@
 """``tidal sft`` under torchrun on the arithmetic task's SFT rows, from a Hugging Face initialisation.
 
 The run loads transformers' initial weights through weights_sync's mapping, trains (the loss must fall), and
-exports a Hugging Face directory with the tokenizer that transformers loads back, with weights that differ
-from the initial ones.
+exports a Hugging Face directory with the tokenizer (and its chat template) that transformers loads back,
+with weights that differ from the initial ones.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ def test_sft_trains_from_hf_and_exports_hf(tmp_path):
     overrides = [f"run_dir={tmp_path}", "task.num_train=64", "task.num_eval=8", "broker.batch_groups=4"]
     config = load_run_config(None, overrides)
     files = prepare_task(config, tmp_path)
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (files.tokenizer / "chat_template.jinja").write_text(template)  # a template travels with the tokenizer
     init_hf_model(config.model, files.tokenizer, tmp_path / "init_hf", seed=0)
     cmd = [
         sys.executable,
@@ -60,6 +62,7 @@ def test_sft_trains_from_hf_and_exports_hf(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(hf)
     assert tokenizer.eos_token_id is not None
+    assert tokenizer.chat_template == template
     initial = AutoModelForCausalLM.from_pretrained(tmp_path / "init_hf", torch_dtype=torch.float32)
     changed = [
         n for n, p in model.named_parameters() if not torch.equal(p, dict(initial.named_parameters())[n])

@@ -125,3 +125,12 @@ def test_tidal_run_refuses_before_writing_anything(tmp_path, capsys):
     assert "model.hidden_size: 128 there, 64 given" in capsys.readouterr().err
     assert saved.read_text() == before  # the saved settings are not overwritten by the refused ones
     assert sorted(p.name for p in root.iterdir()) == ["config.yaml", "init_hf"]
+
+
+def test_a_trainer_checkpoint_binds_the_model_and_the_warm_up_of_a_run_without_init_hf(tmp_path):
+    # a run from model.path writes no init_hf/ and, without demonstrations, no SFT checkpoint
+    root, _ = _run_dir(tmp_path, "train/checkpoints/latest")
+    for setting in ("model.hidden_size=64", "warmup.enabled=true", "seed=3"):
+        with pytest.raises(ConfigError, match=r"its trainer checkpoint"):
+            check_run_dir(load_run_config(None, [f"run_dir={root}", setting]), root)
+    check_run_dir(load_run_config(None, [f"run_dir={root}", "trainer.steps=900"]), root)
