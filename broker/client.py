@@ -329,8 +329,15 @@ class AsyncBrokerClient:
             self._unacked_bytes -= nbytes
             self._window.notify_all()
 
-    async def release(self, lease_id: str, group_ids: list[str] | None = None) -> None:
-        await self._call("release", {"lease_id": lease_id, "group_ids": group_ids})
+    async def release(
+        self, lease_id: str, group_ids: list[str] | None = None, error: str | None = None
+    ) -> None:
+        """Give groups back; ``error``: this node failed to sample them (the broker drops a group that
+        fails ``broker.max_group_failures`` times instead of leasing it again)."""
+        body = {"lease_id": lease_id, "group_ids": group_ids}
+        if error is not None:
+            body["error"] = error
+        await self._call("release", body)
 
     async def policy_version(self) -> int:
         return (await self._call("policy_version", {}))[0]["policy_version"]

@@ -87,6 +87,13 @@ class BrokerConfig(BaseModel):
     staleness_policy: Literal["drop", "keep"] = "drop"
     dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal")
     lease_timeout_s: float = Field(60.0, gt=0)
+    max_group_failures: int = Field(
+        3,
+        ge=1,
+        description="a group that nodes failed to sample this many times (a prompt longer than the engine's "
+        "context, a reward function that raises on it) is dropped, journaled and counted instead of being "
+        "leased again forever; failures of an engine itself (gone, crashed) do not count",
+    )
     node_timeout_s: float = Field(30.0, gt=0)
     max_frame_bytes: int = Field(256 << 20, gt=0)
     io_threads: int = Field(1, ge=1, description="ZeroMQ I/O threads of the broker's socket")

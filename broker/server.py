@@ -398,8 +398,11 @@ class BrokerServer:
         ids = req.body.get("group_ids")
         if ids is not None and not (isinstance(ids, list) and all(isinstance(g, str) for g in ids)):
             raise proto.ProtocolError(proto.BAD_FRAME, "release: group_ids must be a list of strings or nil")
+        error = req.body.get("error")
+        if error is not None and not isinstance(error, str):
+            raise proto.ProtocolError(proto.BAD_FRAME, "release: error must be a string or nil")
         node = self.state.node_for(peer, time.time())
-        n = self.state.release(node, req.body["lease_id"], ids)
+        n = self.state.release(node, req.body["lease_id"], ids, error)
         self._ok(peer, req.id, {"released": n})
 
     def _on_leave(self, peer: bytes, req: proto.Request) -> None:

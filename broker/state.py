@@ -12,6 +12,7 @@ An expired, released or abandoned lease puts its groups back at the front of the
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 import uuid
 from collections import Counter, deque
@@ -31,6 +32,8 @@ from tidal.broker.source import PromptSource
 from tidal.broker.state_records import Counters, CutBatch, LeaseState, Node, StoredGroup
 from tidal.broker.state_stats import ThroughputWindow, state_stats
 from tidal.broker.types import Lease, PromptGroup
+
+log = logging.getLogger(__name__)
 
 
 def _pack(obj: Any) -> bytes:
@@ -54,6 +57,8 @@ class BrokerState:
         self.journal = journal
         self.requeue: deque[str] = deque()
         self.outstanding: dict[str, None] = {}  # taken from the source, not yet resolved (ordered set)
+        # failed sampling attempts of outstanding groups; not journaled: a restarted broker counts afresh
+        self.failures: Counter[str] = Counter()
         self.leases: dict[str, LeaseState] = {}
         self.nodes: dict[str, Node] = {}
         self.peers: dict[bytes, str] = {}
@@ -131,6 +136,8 @@ class BrokerState:
                 self.buffer.pop(d["id"], None)
                 self.accepted_live -= 1
                 self.counters.dropped_stale_groups += 1
+            elif d["reason"] == "failed":
+                self.counters.failed_groups += 1
             else:
                 self.counters.filtered_groups += 1
         elif kind is Kind.BATCH:
@@ -274,13 +281,41 @@ class BrokerState:
         if node is not None:
             node.leases.discard(lease.lease_id)
 
-    def release(self, node: Node, lease_id: str, group_ids: list[str] | None) -> int:
+    def release(
+        self, node: Node, lease_id: str, group_ids: list[str] | None, error: str | None = None
+    ) -> int:
+        """Groups given back, leased again first; with ``error`` the node failed to sample them, and a group
+        that has failed ``max_group_failures`` times is dropped (journaled) instead."""
         lease = self.leases.get(lease_id)
         if lease is None or lease.node_id != node.node_id:
             return 0  # already expired or closed: its groups are back in the queue
-        n = self._return_lease(lease_id, group_ids)
+        if error is not None:
+            ids = list(lease.pending) if group_ids is None else [g for g in group_ids if g in lease.pending]
+            for gid in ids:
+                self.failures[gid] += 1
+            given_up = [g for g in ids if self.failures[g] >= self.cfg.max_group_failures]
+            for gid in given_up:
+                self._drop_failed(lease, gid, node, error)
+            group_ids = [g for g in ids if g not in given_up]
+            if not lease.pending:
+                self._close_lease(lease)
+        n = self._return_lease(lease_id, group_ids) if lease_id in self.leases else 0
         self.counters.released_groups += n
         return n
+
+    def _drop_failed(self, lease: LeaseState, gid: str, node: Node, error: str) -> None:
+        self._log(Kind.DROP, _pack({"id": gid, "reason": "failed", "error": error[:500]}))
+        del lease.pending[gid]
+        self.outstanding.pop(gid, None)
+        self.failures.pop(gid, None)
+        self.counters.failed_groups += 1
+        log.warning(
+            "group %s dropped after %d failed attempts (broker.max_group_failures), the last on %s: %s",
+            gid,
+            self.cfg.max_group_failures,
+            node.name,
+            error,
+        )
 
     def expire(self, now: float) -> None:
         """Return the groups of expired leases and of nodes that stopped talking to the queue."""
@@ -341,6 +376,7 @@ class BrokerState:
                 self._accept(s, now)
                 accepted.append(gid)
             self.outstanding.pop(gid, None)
+            self.failures.pop(gid, None)
             del lease.pending[gid]
         if not lease.pending:
             self._close_lease(lease)

@@ -62,6 +62,7 @@ class Counters:
     accepted_bytes: int = 0
     filtered_groups: int = 0
     dropped_stale_groups: int = 0
+    failed_groups: int = 0  # dropped after broker.max_group_failures failed attempts
     expired_leases: int = 0
     released_groups: int = 0
     rejected_submissions: int = 0

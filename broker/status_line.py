@@ -40,6 +40,7 @@ def status_line(now: dict[str, Any], prev: dict[str, Any] | None, elapsed_s: flo
         f"accepted {c['accepted_groups']} groups ({samples_s:.0f} samples/s, {bytes_s / 1e6:.1f} MB/s {over}); "
         f"batches cut {c['batches_cut']}, consumed through {batches['consumed']}; "
         f"dropped stale {c['dropped_stale_groups']}, filtered {c['filtered_groups']}, "
+        f"failed {c.get('failed_groups', 0)}, "
         f"expired leases {c['expired_leases']}, rejected submissions {c['rejected_submissions']}, "
         f"bad frames {c['bad_frames']}, error replies {errors}; "
         f"epoch {now['cursor']['epoch']} at row {now['cursor']['pos']} of {now['cursor']['rows']}"

@@ -255,7 +255,10 @@ class RolloutAgent:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure of one group returns it to the broker
             self._group_failed(pg, exc)
-            await self._release(lease_id, [pg.group_id])
+            # the broker counts the group's failures (and drops it after broker.max_group_failures), but not
+            # those of an engine that is gone: another node, or this one later, may sample it fine
+            error = None if self._engine_trouble(exc) else f"{type(exc).__name__}: {exc}"
+            await self._release(lease_id, [pg.group_id], error)
             self._done(pg.group_id)
             return
         self._failures_in_a_row = 0
@@ -294,9 +297,18 @@ class RolloutAgent:
         self.inflight.pop(group_id, None)
         self._changed.set()
 
-    async def _release(self, lease_id: str, group_ids: list[str]) -> None:
+    def _engine_trouble(self, exc: BaseException) -> bool:
+        """Whether a group failed because its engine did not answer (gone, crashed, timed out), not because
+        of its prompt or its responses."""
+        return (
+            self.pool.all_failed
+            or isinstance(exc, EngineUnavailable)
+            or isinstance(exc.__cause__, EngineUnavailable)
+        )
+
+    async def _release(self, lease_id: str, group_ids: list[str], error: str | None = None) -> None:
         try:
-            await self.client.release(lease_id, group_ids)
+            await self.client.release(lease_id, group_ids, error)
             self.stats.groups_released += len(group_ids)
         except BrokerError as exc:
             log.warning("release of %s failed (the lease will expire instead): %s", group_ids, exc)

@@ -1,7 +1,7 @@
 """What the broker's journal says happened to every prompt group of a run.
 
 Reads the log record by record (the broker's own reader and group decoder) and follows each group: taken
-from the prompt source, accepted, dropped (stale or filtered), cut into a batch, consumed by the trainer.
+from the prompt source, accepted, dropped (stale, filtered, or failed too often), cut into a batch, consumed by the trainer.
 ``tidal run`` puts the summary in its report, ``tidal journal`` prints it (tidal/journal_command.py), and
 the recovery tests assert on it. A compaction replaces the history before it with a snapshot, which the
 audit starts from; the groups the snapshot keeps in earlier files (REF records) are read back and checked
@@ -41,6 +41,7 @@ class JournalAudit:
     accepted: int = 0
     dropped_stale: int = 0
     filtered: int = 0
+    failed: int = 0  # dropped after broker.max_group_failures failed sampling attempts
     batched: int = 0  # groups cut into batches
     batches: list[int] = field(default_factory=list)  # batch ids in journal order
     consumed_through: int = -1  # the last batch the trainer reported durably trained
@@ -163,6 +164,8 @@ def _audit(log: Path, data: memoryview) -> JournalAudit:
             if d["reason"] == "stale":
                 audit.dropped_stale += 1
                 buffered.discard(d["id"])
+            elif d["reason"] == "failed":
+                audit.failed += 1
             else:
                 audit.filtered += 1
         elif kind is Kind.BATCH:

@@ -48,7 +48,8 @@ def audit_lines(a: JournalAudit) -> list[str]:
         f"  records: {records}"
         + (" (compacted: history before the SNAPSHOT is gone)" if a.compacted else ""),
         f"  groups{since}: {a.taken:,} taken from the prompt source, {a.accepted:,} accepted, "
-        f"{a.dropped_stale:,} dropped as stale, {a.filtered:,} filtered, {a.batched:,} in {batches}",
+        f"{a.dropped_stale:,} dropped as stale, {a.filtered:,} filtered, {a.failed:,} dropped as failed, "
+        f"{a.batched:,} in {batches}",
         f"  trainer: consumed through batch {a.consumed_through}, policy version "
         f"{'none published' if a.policy_version is None else a.policy_version}; "
         f"prompt cursor {cursor}",

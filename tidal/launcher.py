@@ -570,6 +570,7 @@ def print_report(results: dict) -> None:
         verdict = "; ".join(j["problems"]) or "no group lost or trained twice"
         print(
             f"journal: {j['taken']} groups taken, {j['accepted']} accepted, {j['batched']} in "
-            f"{len(j['batches'])} batches, {j['dropped_stale']} dropped stale, {j['outstanding']} in flight "
+            f"{len(j['batches'])} batches, {j['dropped_stale']} dropped stale, {j['failed']} failed, "
+            f"{j['outstanding']} in flight "
             f"at the end: {verdict}"
         )

@@ -164,3 +164,42 @@ def test_two_nodes_deliver_every_prompt_once_through_a_sigkill_and_a_late_join(t
                 stop(proc)
         consumer.close()
         stop(broker)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_prompt_no_engine_can_take_is_dropped_after_its_failures_and_the_run_goes_on(tmp_path):
+    rows, _ = make_records(digits=2, num_train=7, num_eval=2, seed=0)
+    # longer than the tiny engine's context (rollout.engine.max_seq_len=32): every attempt is refused
+    poison = {**rows[0], "prompt": "1+" * 30 + "1=", "reward_model": {"style": "rule", "ground_truth": "31"}}
+    rows = [*rows[:3], poison, *rows[3:]]
+    broker, address = start_broker(
+        tmp_path / "broker",
+        rows=rows,
+        group_size=GROUP_SIZE,
+        batch_groups=7,
+        max_staleness=4,
+        max_group_failures=3,
+        data={"epochs": 1, "shuffle": False},
+    )
+    logs = [tmp_path / "node-a.log", tmp_path / "broker" / "broker.log"]
+    node = None
+    consumer = BrokerClient(address, timeout_s=10.0)
+    try:
+        consumer.register("trainer", "test-consumer")
+        node = start_node(tmp_path, address, "a")
+        batch = wait_until(lambda: consumer.get_batch(-1, timeout_s=0.5), 120, "the batch of 7 groups", logs)
+        assert sorted(g.meta["row"] for g in batch.groups) == [0, 1, 2, 4, 5, 6, 7]
+        stats = wait_until(
+            lambda: (s := consumer.stats())["finished"] and s, 30, "the broker to finish", logs
+        )
+        assert stats["counters"]["failed_groups"] == 1
+        assert node.poll() is None, "the node gave up: " + tail(logs[0])
+        broker_log = (tmp_path / "broker" / "broker.log").read_text()
+        assert "group 0:3 dropped after 3 failed attempts" in broker_log
+        assert "longer than the model's context length" in broker_log
+    finally:
+        if node is not None:
+            stop(node)
+        consumer.close()
+        stop(broker)

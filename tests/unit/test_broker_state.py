@@ -131,6 +131,35 @@ def test_silent_node_loses_its_leases_release_and_leave_requeue(tmp_path):
     assert state.requeue[0] == lb.groups[0].group_id and not state.leases and b.node_id not in state.nodes
 
 
+def test_a_group_that_fails_max_group_failures_times_is_dropped_journaled_and_not_leased_again(tmp_path):
+    state = make_state(tmp_path, rows=3, max_group_failures=2, max_staleness=4)
+    a = state.register(b"a", "rollout", "a", {}, T0)
+    b = state.register(b"b", "rollout", "b", {}, T0)
+    first = state.lease(a, 3, T0)
+    bad, good, other = (g.group_id for g in first.groups)
+    # a give-back without an error (a node stopping, an engine gone) counts nothing
+    assert state.release(a, first.lease_id, [good]) == 1
+    assert state.release(a, first.lease_id, [bad], error="SampleFailed: prompt too long") == 1
+    assert list(state.requeue) == [bad, good] and state.counters.failed_groups == 0
+    again = state.lease(b, 1, T0)
+    assert [g.group_id for g in again.groups] == [bad]
+    assert state.release(b, again.lease_id, None, error="SampleFailed: prompt too long") == 0
+    assert state.counters.failed_groups == 1 and bad not in state.outstanding
+    assert again.lease_id not in state.leases and list(state.requeue) == [good]
+    rest = state.lease(b, 2, T0)
+    assert [g.group_id for g in rest.groups] == [good]
+    state.submit(b, rest.lease_id, frames(rest), T0)
+    state.submit(a, first.lease_id, [encode_group(fake_group(first.groups[2]))], T0)
+    assert state.finished  # the failed group is resolved: the data is done without it
+
+    replayed = make_state(tmp_path, rows=3, max_group_failures=2, max_staleness=4)
+    assert replayed.counters.failed_groups == 1 and not replayed.outstanding and replayed.finished
+    from tidal.journal_audit import audit_journal
+
+    audit = audit_journal(tmp_path / "journal")
+    assert audit.failed == 1 and audit.outstanding == 0 and not audit.problems
+
+
 def test_dynamic_sampling_filters_groups_with_equal_rewards(tmp_path):
     state = make_state(tmp_path, dynamic_sampling=True)
     node = state.register(b"a", "rollout", "a", {}, T0)
