@@ -73,6 +73,7 @@ class RolloutAgent:
         *,
         name: str | None = None,
         group_size_hint: int = 8,
+        group_failures_reported: int = 3,
     ) -> None:
         self.config = config
         self.agent_cfg = config.agent
@@ -91,6 +92,10 @@ class RolloutAgent:
         self._group_size = group_size_hint
         self._group_tasks: set[asyncio.Task] = set()
         self._failures_in_a_row = 0
+        # a group's failure is laid on its prompt only while this node fails no more than this in a row (the
+        # broker's max_group_failures: a bad prompt leased back to this node gets that far); beyond it the
+        # node itself is suspect (its tokenizer or its engine refuses everything) and must not use up the data
+        self._group_failures_reported = group_failures_reported
         self.exit_code = 0
         self._base_sampling = {
             "temperature": config.sampling.temperature,
@@ -256,9 +261,13 @@ class RolloutAgent:
         except Exception as exc:  # noqa: BLE001 - any failure of one group returns it to the broker
             self._group_failed(pg, exc)
             # the broker counts the group's failures (and drops it after broker.max_group_failures), but not
-            # those of an engine that is gone: another node, or this one later, may sample it fine
-            error = None if self._engine_trouble(exc) else f"{type(exc).__name__}: {exc}"
-            await self._release(lease_id, [pg.group_id], error)
+            # those of an engine that is gone, or of a node that fails everything: another node may sample it
+            prompts_fault = (
+                not self._engine_trouble(exc) and self._failures_in_a_row <= self._group_failures_reported
+            )
+            await self._release(
+                lease_id, [pg.group_id], f"{type(exc).__name__}: {exc}" if prompts_fault else None
+            )
             self._done(pg.group_id)
             return
         self._failures_in_a_row = 0

@@ -185,7 +185,13 @@ async def run_node(config, broker: str, name: str, engine_urls: list[str]) -> in
             return 0
         _, task = ready.result()
         agent = RolloutAgent(
-            config.rollout, client, pool, task, name=name, group_size_hint=config.broker.group_size
+            config.rollout,
+            client,
+            pool,
+            task,
+            name=name,
+            group_size_hint=config.broker.group_size,
+            group_failures_reported=config.broker.max_group_failures,
         )
         agent.install_signal_handlers()
         return await agent.run()

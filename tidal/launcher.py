@@ -298,7 +298,7 @@ def main(config: RunConfig, args: list[str]) -> int:
     plan = plan_run(config, rd.root, rd.init_hf)
     check_run_dir(config, rd.root)  # before anything is written into it
     check_broker_ports(config)
-    from tidal.rollout.tasks import prepare_task
+    from tidal.rollout.tasks import check_prompts, prepare_task
 
     rd.make()
     dump_config(config, rd.config)
@@ -314,6 +314,7 @@ def main(config: RunConfig, args: list[str]) -> int:
     signal.signal(signal.SIGTERM, _on_signal)
     try:
         files = prepare_task(config, rd.root)
+        check_prompts(files)  # a tokenizer that cannot render the data fails here, not on every node
         view.event(f"task {config.task.name}: data in {files.train.parent}, tokenizer {files.tokenizer}")
         view.event(f"placement: {placement.summary}")
         if plan.writes_initial:

@@ -57,23 +57,7 @@ class Task:
     # --- token ids -------------------------------------------------------------------------------
 
     def prompt_ids(self, row: PromptRow) -> list[int]:
-        prompt = row.prompt
-        if isinstance(prompt, str):
-            return list(self.tokenizer(prompt)["input_ids"])
-        if isinstance(prompt, Sequence) and all(isinstance(m, dict) for m in prompt):
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise ValueError(
-                    f"row {row.index} ({row.data_source}) has chat messages but the tokenizer has no chat "
-                    "template; give plain-string prompts or a tokenizer with a chat template (task.tokenizer)"
-                )
-            ids = self.tokenizer.apply_chat_template(
-                list(prompt), add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            return list(ids)
-        raise ValueError(
-            f"row {row.index} ({row.data_source}): prompt must be a string or a list of chat messages "
-            f"({{'role', 'content'}}), got {type(prompt).__name__}"
-        )
+        return render_prompt(self.tokenizer, row)
 
     def response_ids(self, response: str) -> list[int]:
         """A reference response as token ids ending with EOS (for SFT rows)."""
@@ -116,3 +100,25 @@ class Task:
             # wait: a pool shut down without waiting can leave its spawned workers orphaned
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+
+
+def render_prompt(tokenizer: Any, row: PromptRow) -> list[int]:
+    """A row's prompt as token ids: a plain string tokenized as is (with the tokenizer's own special tokens),
+    a list of chat messages rendered with the tokenizer's chat template and a generation prompt."""
+    prompt = row.prompt
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt)["input_ids"])
+    if isinstance(prompt, Sequence) and all(isinstance(m, dict) for m in prompt):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                f"row {row.index} ({row.data_source}) has chat messages but the tokenizer has no chat "
+                "template; give plain-string prompts or a tokenizer with a chat template (task.tokenizer)"
+            )
+        ids = tokenizer.apply_chat_template(
+            list(prompt), add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return list(ids)
+    raise ValueError(
+        f"row {row.index} ({row.data_source}): prompt must be a string or a list of chat messages "
+        f"({{'role', 'content'}}), got {type(prompt).__name__}"
+    )

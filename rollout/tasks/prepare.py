@@ -8,6 +8,7 @@ that the files the config names exist.
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,6 +123,25 @@ def prepare_task(config: RunConfig, run_dir: str | Path | None = None) -> TaskFi
             f"{vocab} tokens ({files.tokenizer}); set model.vocab_size >= {vocab}"
         )
     return files
+
+
+PROMPTS_CHECKED = 32
+
+
+def check_prompts(files: TaskFiles, rows: int = PROMPTS_CHECKED) -> None:
+    """The first ``rows`` training rows render as prompts with the task's tokenizer (chat messages need a
+    chat template). A mismatch fails here, naming the files, instead of on every node for every row."""
+    from tidal.rollout.tasks.base import render_prompt
+    from tidal.rollout.tasks.data import read_rows
+
+    tokenizer = load_tokenizer(files.tokenizer)
+    try:
+        for row in itertools.islice(read_rows(files.train), rows):
+            render_prompt(tokenizer, row)
+    except ValueError as exc:
+        raise ConfigError(
+            f"broker.data.path={files.train} with the tokenizer {files.tokenizer}: {exc}"
+        ) from None
 
 
 def _tokenizer_vocab_size(directory: Path) -> int:

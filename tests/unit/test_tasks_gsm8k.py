@@ -3,7 +3,8 @@ import pytest
 from tidal.config import RunConfig
 from tidal.configio import load_config
 from tidal.errors import ConfigError
-from tidal.rollout.tasks import prepare_task, task_files
+from tidal.rollout.tasks import TaskFiles, check_prompts, prepare_task, task_files
+from tidal.rollout.tasks.char_tokenizer import save_char_tokenizer
 from tidal.rollout.tasks.data import read_rows, write_records
 from tidal.rollout.tasks.gsm8k import INSTRUCTION, gsm8k_record
 
@@ -50,3 +51,14 @@ def test_user_data_tasks_need_a_data_path_and_a_tokenizer(tmp_path):
     )
     with pytest.raises(ConfigError, match="missing .*train.jsonl"):
         prepare_task(cfg, tmp_path)
+
+
+def test_data_the_tokenizer_cannot_render_is_refused_before_the_job_starts(tmp_path):
+    save_char_tokenizer(tmp_path / "tok")  # no chat template
+    chat = tmp_path / "chat.jsonl"
+    write_records(chat, [gsm8k_record("1+1?", "#### 2", 0)])
+    plain = tmp_path / "plain.jsonl"
+    write_records(plain, [{"data_source": "d", "prompt": "1+1=", "reward_model": {"ground_truth": "2"}}])
+    check_prompts(TaskFiles(train=plain, eval=None, sft=None, tokenizer=tmp_path / "tok"))
+    with pytest.raises(ConfigError, match=r"broker.data.path=.*chat.jsonl with the tokenizer .*tok: row 0"):
+        check_prompts(TaskFiles(train=chat, eval=None, sft=None, tokenizer=tmp_path / "tok"))
