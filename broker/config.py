@@ -10,8 +10,10 @@ from pydantic import BaseModel, ConfigDict, Field
 class DataConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    path: str | None = Field(
-        None, description="parquet or JSONL in verl's format; None: the task generates it"
+    path: str | list[str] | None = Field(
+        None,
+        description="parquet or JSONL in verl's format: a file, a directory of them (read in name order) or "
+        "a list of either (concatenated in order, e.g. several data sets); None: the task generates it",
     )
     shuffle: bool = True
     seed: int = 0

@@ -23,7 +23,7 @@ from tidal.broker.process import (
     tune_gc,
 )
 from tidal.broker.server import BrokerServer
-from tidal.broker.source import PromptSource, load_rows
+from tidal.broker.source import PromptSource, data_files, load_rows
 from tidal.broker.state import BrokerState
 from tidal.errors import ConfigError
 
@@ -36,12 +36,14 @@ def build_state(config) -> BrokerState:
     cfg = config.broker
     if not cfg.data.path:
         raise ConfigError(
-            "broker.data.path is not set: give the broker a parquet or JSONL file in verl's format "
-            "(tidal run writes one for the task; `tidal broker` needs it explicitly)"
+            "broker.data.path is not set: give the broker parquet or JSONL in verl's format (a file, a "
+            "directory of them or a list; tidal run writes one for the task; `tidal broker` needs it explicitly)"
         )
-    source = PromptSource(
-        load_rows(cfg.data.path), seed=cfg.data.seed, shuffle=cfg.data.shuffle, epochs=cfg.data.epochs
-    )
+    files = data_files(cfg.data.path)
+    rows = load_rows(files)
+    shown = ", ".join(str(f) for f in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+    log.info("prompt data: %d rows from %s", len(rows), shown)
+    source = PromptSource(rows, seed=cfg.data.seed, shuffle=cfg.data.shuffle, epochs=cfg.data.epochs)
     journal_dir = config.journal_dir()
     _held_locks.append(lock_journal_dir(journal_dir, cfg.bind))  # for the process's life
     journal = Journal(

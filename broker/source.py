@@ -19,17 +19,43 @@ import numpy as np
 from tidal.broker.types import PromptRow
 from tidal.errors import ConfigError
 
+SUFFIXES = (".parquet", ".jsonl", ".json")
 
-def _row(index: int, raw: dict[str, Any], path: Path) -> PromptRow:
+
+def data_files(path: str | Path | list[str] | list[Path]) -> list[Path]:
+    """The files ``broker.data.path`` names, in the order their rows are numbered: a file; a directory's
+    parquet and JSONL files in name order (a data set saved in shards); a list of either, concatenated."""
+    if isinstance(path, list | tuple):
+        if not path:
+            raise ConfigError("broker.data.path=[]: name at least one file")
+        return [f for p in path for f in data_files(p)]
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(f for f in path.iterdir() if f.is_file() and f.suffix in SUFFIXES)
+        if not files:
+            raise ConfigError(
+                f"broker.data.path={str(path)!r}: the directory holds no .parquet or .jsonl file"
+            )
+        return files
+    if not path.exists():
+        raise ConfigError(f"broker.data.path={str(path)!r}: file does not exist")
+    if path.suffix not in SUFFIXES:
+        raise ConfigError(
+            f"broker.data.path={str(path)!r}: unknown format {path.suffix!r}; use .parquet or .jsonl"
+        )
+    return [path]
+
+
+def _row(index: int, raw: dict[str, Any], path: Path, at: str) -> PromptRow:
     if "prompt" not in raw:
         raise ConfigError(
-            f"broker.data.path={str(path)!r}: row {index} has no 'prompt' column "
+            f"broker.data.path={str(path)!r}: {at} has no 'prompt' column "
             f"(verl format: data_source, prompt, reward_model.ground_truth, extra_info)"
         )
     reward_model = raw.get("reward_model") or {}
     if not isinstance(reward_model, dict):
         raise ConfigError(
-            f"broker.data.path={str(path)!r}: row {index}: reward_model must be a map with 'ground_truth'"
+            f"broker.data.path={str(path)!r}: {at}: reward_model must be a map with 'ground_truth'"
         )
     extra = raw.get("extra_info") or {}
     return PromptRow(
@@ -41,33 +67,34 @@ def _row(index: int, raw: dict[str, Any], path: Path) -> PromptRow:
     )
 
 
-def load_rows(path: str | Path) -> list[PromptRow]:
-    path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"broker.data.path={str(path)!r}: file does not exist")
+def _read_file(path: Path) -> list[dict[str, Any]]:
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        raws = pq.read_table(path).to_pylist()
-    elif path.suffix in (".jsonl", ".json"):
-        raws = []
-        with path.open() as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    raws.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise ConfigError(
-                        f"broker.data.path={str(path)!r}: line {lineno} is not JSON ({exc})"
-                    ) from None
-    else:
-        raise ConfigError(
-            f"broker.data.path={str(path)!r}: unknown format {path.suffix!r}; use .parquet or .jsonl"
-        )
-    if not raws:
-        raise ConfigError(f"broker.data.path={str(path)!r}: the data set has no rows")
-    return [_row(i, r, path) for i, r in enumerate(raws)]
+        return pq.read_table(path).to_pylist()
+    raws = []
+    with path.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                raws.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ConfigError(
+                    f"broker.data.path={str(path)!r}: line {lineno} is not JSON ({exc})"
+                ) from None
+    return raws
+
+
+def load_rows(path: str | Path | list[str]) -> list[PromptRow]:
+    """Every row of the files ``path`` names (``data_files``), numbered across them in order."""
+    rows: list[PromptRow] = []
+    for file in data_files(path):
+        raws = _read_file(file)
+        if not raws:
+            raise ConfigError(f"broker.data.path={str(file)!r}: the data set has no rows")
+        rows += [_row(len(rows) + i, r, file, f"row {i}") for i, r in enumerate(raws)]
+    return rows
 
 
 def rows_digest(rows: list[PromptRow]) -> str:

@@ -315,7 +315,8 @@ def main(config: RunConfig, args: list[str]) -> int:
     try:
         files = prepare_task(config, rd.root)
         check_prompts(files)  # a tokenizer that cannot render the data fails here, not on every node
-        view.event(f"task {config.task.name}: data in {files.train.parent}, tokenizer {files.tokenizer}")
+        data = config.broker.data.path or files.train.parent
+        view.event(f"task {config.task.name}: data in {data}, tokenizer {files.tokenizer}")
         view.event(f"placement: {placement.summary}")
         if plan.writes_initial:
             from tidal.bootstrap import init_hf_model
@@ -431,11 +432,12 @@ def run_grpo(
     tc = config.trainer
     curve = client_keys(tc.curve_secret_key_file, tc.curve_server_key_file, "trainer")
     host, port = tcp_host_port(config.broker.bind)  # a tcp address: the nodes reach it over the network
-    data_override = f"broker.data.path={files.train}"
+    # the data the task wrote, where the config names none
+    data_override = [] if config.broker.data.path else [f"broker.data.path={files.train}"]
     sup.start(
         ProcessSpec(
             "broker",
-            python_cmd("broker", str(rd.config), data_override),
+            python_cmd("broker", str(rd.config), *data_override),
             rd.logs / "broker.log",
             env={"CUDA_VISIBLE_DEVICES": ""},  # the broker computes nothing on a GPU
             # restarted on its journal it loses no acknowledged group; nodes and trainer register again

@@ -73,10 +73,16 @@ def read_records(path: str | Path) -> Iterator[dict[str, Any]]:
                 raise ValueError(f"{path}:{lineno}: not a JSON object ({exc})") from None
 
 
-def read_rows(path: str | Path) -> Iterator[PromptRow]:
-    """The rows of a verl JSONL/parquet file, indexed by their position in the file."""
-    for index, record in enumerate(read_records(path)):
-        yield row_from_record(record, index, where=str(path))
+def read_rows(path: str | Path | list[Path]) -> Iterator[PromptRow]:
+    """The rows of verl JSONL/parquet data, numbered in order: a file, a directory of them or a list
+    (``broker.data.path``'s forms, ``tidal.broker.source.data_files``)."""
+    from tidal.broker.source import data_files
+
+    index = 0
+    for file in data_files(path) if isinstance(path, list) or Path(path).is_dir() else [Path(path)]:
+        for record in read_records(file):
+            yield row_from_record(record, index, where=str(file))
+            index += 1
 
 
 def write_records(path: str | Path, records: Iterable[dict[str, Any]]) -> int:

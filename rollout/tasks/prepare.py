@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tidal.broker.source import data_files
 from tidal.errors import ConfigError
 from tidal.rollout.tasks import arithmetic
 from tidal.rollout.tasks.base import Task
@@ -36,7 +37,7 @@ ARITHMETIC_SFT = "sft.jsonl"  # the arithmetic task's own demonstrations, in <ru
 
 @dataclass(frozen=True)
 class TaskFiles:
-    train: Path  # verl rows the broker serves
+    train: Path | list[Path]  # verl rows the broker serves (broker.data.path: a file, a directory, a list)
     eval: Path | None
     sft: Path | None  # {"prompt", "response"} rows for the supervised warm-up; None: the task has none
     tokenizer: Path  # a Hugging Face tokenizer directory
@@ -51,7 +52,7 @@ def task_files(config: RunConfig, run_dir: str | Path | None = None) -> TaskFile
         data = run_dir / "data"
         generated = not config.broker.data.path  # with its own data, the task writes demonstrations too
         return TaskFiles(
-            train=Path(config.broker.data.path) if config.broker.data.path else data / "train.jsonl",
+            train=_data_path(config.broker.data.path) if config.broker.data.path else data / "train.jsonl",
             eval=Path(task.eval_path) if task.eval_path else data / "eval.jsonl",
             sft=demonstrations or (data / ARITHMETIC_SFT if generated else None),
             tokenizer=Path(task.tokenizer) if task.tokenizer else run_dir / "tokenizer",
@@ -66,11 +67,15 @@ def task_files(config: RunConfig, run_dir: str | Path | None = None) -> TaskFile
             f"task.name={task.name} needs a tokenizer: set task.tokenizer or model.path to a Hugging Face directory"
         )
     return TaskFiles(
-        train=Path(config.broker.data.path),
+        train=_data_path(config.broker.data.path),
         eval=Path(task.eval_path) if task.eval_path else None,
         sft=demonstrations,
         tokenizer=Path(tokenizer),
     )
+
+
+def _data_path(path: str | list[str]) -> Path | list[Path]:
+    return [Path(p) for p in path] if isinstance(path, list) else Path(path)
 
 
 def _write_arithmetic(config: RunConfig, files: TaskFiles) -> None:
@@ -108,7 +113,9 @@ def prepare_task(config: RunConfig, run_dir: str | Path | None = None) -> TaskFi
     files = task_files(config, run_dir)
     if config.task.name == "arithmetic" and not config.broker.data.path:
         _write_arithmetic(config, files)
-    missing = [str(p) for p in (files.train, files.eval, files.sft) if p is not None and not p.exists()]
+    if config.broker.data.path:
+        data_files(config.broker.data.path)  # each file there, of a format the broker reads
+    missing = [str(p) for p in (files.eval, files.sft) if p is not None and not p.exists()]
     if (
         not (files.tokenizer / "tokenizer.json").exists()
         and not (files.tokenizer / "tokenizer_config.json").exists()

@@ -7,6 +7,7 @@ import pytest
 from tidal.broker.source import PromptSource, load_rows
 from tidal.broker.testing import synthetic_rows, write_rows
 from tidal.errors import ConfigError
+from tidal.rollout.tasks.data import read_rows
 
 
 def test_jsonl_and_parquet_give_the_same_rows(tmp_path):
@@ -32,6 +33,28 @@ def test_bad_data_files_are_named_with_the_reason(tmp_path, name, content, words
     (tmp_path / name).write_text(content)
     with pytest.raises(ConfigError, match=words):
         load_rows(tmp_path / name)
+
+
+def test_a_directory_of_shards_and_a_list_of_data_sets_are_numbered_in_order(tmp_path):
+    rows = synthetic_rows(7)
+    shards = tmp_path / "train"
+    shards.mkdir()
+    pq.write_table(pa.Table.from_pylist(rows[3:]), shards / "train-00001-of-00002.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[:3]), shards / "train-00000-of-00002.parquet")
+    (shards / "README.md").write_text("not data")
+    whole = load_rows(write_rows(tmp_path / "all.jsonl", rows))
+    assert load_rows(shards) == whole  # name order: shard 0 first
+    other = write_rows(tmp_path / "other.jsonl", synthetic_rows(2))
+    mixed = load_rows([str(shards), str(other)])
+    assert mixed[:7] == whole and [r.index for r in mixed] == list(range(9))
+    assert mixed[7].prompt == load_rows(other)[0].prompt
+    # read the same way by the launcher's checks and the evaluation
+    assert [r.index for r in read_rows([shards, other])] == list(range(9))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"empty'?: the directory holds no .parquet or .jsonl file"):
+        load_rows(tmp_path / "empty")
+    with pytest.raises(ConfigError, match=r"broker.data.path=\[\]"):
+        load_rows([])
 
 
 def test_missing_file_is_named(tmp_path):
