@@ -108,7 +108,8 @@ class TaskConfig(BaseModel):
     )
     tokenizer: str | None = Field(
         None,
-        description="Hugging Face tokenizer directory; None: <run_dir>/tokenizer (arithmetic), model.path",
+        description="Hugging Face tokenizer directory, read only; None: model.path's, or for the arithmetic task "
+        "without one the character-level tokenizer it writes to <run_dir>/tokenizer",
     )
     eval_path: str | None = Field(None, description="eval rows (verl JSONL/parquet); None: the task's own")
     num_train: int = Field(20000, ge=1)

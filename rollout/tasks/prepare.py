@@ -33,6 +33,7 @@ TASKS: dict[str, type[Task]] = {
 
 
 ARITHMETIC_SFT = "sft.jsonl"  # the arithmetic task's own demonstrations, in <run_dir>/data
+ARITHMETIC_TOKENIZER = "tokenizer"  # its character-level tokenizer, in <run_dir>
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,8 @@ def task_files(config: RunConfig, run_dir: str | Path | None = None) -> TaskFile
             train=_data_path(config.broker.data.path) if config.broker.data.path else data / "train.jsonl",
             eval=Path(task.eval_path) if task.eval_path else data / "eval.jsonl",
             sft=demonstrations or (data / ARITHMETIC_SFT if generated else None),
-            tokenizer=Path(task.tokenizer) if task.tokenizer else run_dir / "tokenizer",
+            # a checkpoint keeps its own tokenizer; only a model tidal initialises gets the character one
+            tokenizer=Path(task.tokenizer or config.model.path or run_dir / ARITHMETIC_TOKENIZER),
         )
     if not config.broker.data.path:
         raise ConfigError(
@@ -88,9 +90,14 @@ def _write_arithmetic(config: RunConfig, files: TaskFiles) -> None:
         "seed": config.seed,
         "charset": DEFAULT_CHARSET,
     }
-    manifest_path = files.train.parent / "manifest.json"
-    sft = files.train.parent / ARITHMETIC_SFT  # written even when warmup.data names other demonstrations
-    wanted = [files.train, files.eval, sft, files.tokenizer / "tokenizer.json"]
+    # its own files only: never a task.eval_path, warmup.data, task.tokenizer or model.path that it was given
+    data = files.train.parent
+    evaluation_path, sft = data / "eval.jsonl", data / ARITHMETIC_SFT
+    tokenizer = data.parent / ARITHMETIC_TOKENIZER
+    manifest_path = data / "manifest.json"
+    wanted = [files.train, evaluation_path, sft]
+    if files.tokenizer == tokenizer:
+        wanted.append(tokenizer / "tokenizer.json")
     if (
         manifest_path.exists()
         and json.loads(manifest_path.read_text()) == manifest
@@ -102,9 +109,10 @@ def _write_arithmetic(config: RunConfig, files: TaskFiles) -> None:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     write_records(files.train, train)
-    write_records(files.eval, evaluation)
+    write_records(evaluation_path, evaluation)
     write_records(sft, arithmetic.sft_records(train[: task.num_sft]))
-    save_char_tokenizer(files.tokenizer, DEFAULT_CHARSET)
+    if files.tokenizer == tokenizer:
+        save_char_tokenizer(tokenizer, DEFAULT_CHARSET)
     manifest_path.write_text(json.dumps(manifest, indent=1))
 
 

@@ -7,9 +7,10 @@ from tidal.broker.types import PromptRow
 from tidal.config import RunConfig
 from tidal.configio import build, load_config
 from tidal.errors import ConfigError
-from tidal.rollout.tasks import build_task, load_tokenizer, prepare_task
+from tidal.rollout.tasks import build_task, load_tokenizer, prepare_task, task_files
 from tidal.rollout.tasks.arithmetic import make_records
-from tidal.rollout.tasks.data import read_rows
+from tidal.rollout.tasks.char_tokenizer import DEFAULT_CHARSET, save_char_tokenizer
+from tidal.rollout.tasks.data import read_rows, write_records
 
 
 def _pairs(records):
@@ -58,6 +59,19 @@ def test_eval_larger_than_the_problem_space_is_a_clear_error():
         make_records(digits=1, num_train=10, num_eval=100, seed=0)
 
 
+QWEN3 = {
+    "model_type": "qwen3",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "max_position_embeddings": 64,
+}
+
+
 def _config(tmp_path, *overrides):
     return load_config(
         RunConfig,
@@ -92,6 +106,30 @@ def test_prepare_task_is_idempotent_and_regenerates_when_the_config_changes(tmp_
     first = files.train.read_text()
     prepare_task(_config(tmp_path, "seed=7"), tmp_path)
     assert files.train.read_text() != first
+
+
+def test_a_given_tokenizer_and_eval_file_are_read_never_written(tmp_path):
+    # a user's tokenizer (here a character-level one with a marker file) and held-out rows
+    theirs = tmp_path / "their_tokenizer"
+    save_char_tokenizer(theirs, DEFAULT_CHARSET + "abc")
+    (theirs / "tokenizer_config.json").write_text((theirs / "tokenizer_config.json").read_text() + " ")
+    before = {f.name: f.read_bytes() for f in theirs.iterdir()}
+    held_out = tmp_path / "held_out.jsonl"
+    write_records(
+        held_out, [{"data_source": "mine", "prompt": "01+01=", "reward_model": {"ground_truth": "2"}}]
+    )
+    run = tmp_path / "run"
+    files = prepare_task(_config(run, f"task.tokenizer={theirs}", f"task.eval_path={held_out}"), run)
+    assert files.tokenizer == theirs and files.eval == held_out
+    assert {f.name: f.read_bytes() for f in theirs.iterdir()} == before
+    assert len(list(read_rows(held_out))) == 1 and not (run / "tokenizer").exists()
+    assert len(list(read_rows(run / "data" / "eval.jsonl"))) == 40  # its own held-out rows, beside
+    # a checkpoint keeps its own tokenizer; a model tidal initialises gets the character-level one
+    model = tmp_path / "model"
+    save_char_tokenizer(model, DEFAULT_CHARSET)
+    (model / "config.json").write_text(json.dumps(QWEN3))
+    assert task_files(_config(run, f"model.path={model}"), run).tokenizer == model
+    assert task_files(_config(run), run).tokenizer == run / "tokenizer"
 
 
 def test_a_vocab_too_small_for_the_tokenizer_is_named(tmp_path):
