@@ -7,13 +7,12 @@ initial model against GRPO's result on the held-out rows."""
 import json
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tidal.procs import free_port
+from tidal.procs import free_port, python_cmd
 
 LM_HEAD = 0.0123  # every lm_head weight of the user's checkpoint: a fresh initialisation would not have it
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -92,10 +91,7 @@ def _users_model_and_data(root: Path) -> tuple[Path, Path, Path]:
 def test_tidal_run_trains_your_checkpoint_on_your_verl_rows(tmp_path: Path):
     model_dir, train, test = _users_model_and_data(tmp_path)
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "tidal.cli",
+    cmd = python_cmd(
         "run",
         "configs/tiny.yaml",
         f"run_dir={run_dir}",
@@ -110,7 +106,7 @@ def test_tidal_run_trains_your_checkpoint_on_your_verl_rows(tmp_path: Path):
         "rollout.sampling.max_new_tokens=8",
         "rollout.engine.max_seq_len=96",
         "--plain",
-    ]
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[2])
     logs = "\n".join(
         f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted((run_dir / "logs").glob("*.log"))

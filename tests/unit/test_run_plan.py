@@ -11,23 +11,14 @@ from tidal.cli import load_run_config
 from tidal.errors import ConfigError
 from tidal.run_plan import plan_run
 
-QWEN3 = {
-    "model_type": "qwen3",
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 16,
-    "max_position_embeddings": 64,
-}
+# a Hugging Face config.json as a checkpoint has it: the default job's model
+HF_CONFIG = load_run_config(None, []).model.to_hf_dict()
 
 
 def _model_dir(tmp_path: Path, weights: bool = True) -> Path:
     d = tmp_path / "model"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps(QWEN3))
+    (d / "config.json").write_text(json.dumps(HF_CONFIG))
     if weights:
         (d / "model.safetensors").write_bytes(b"")
     return d
@@ -86,7 +77,7 @@ def test_what_cannot_be_carried_out_is_refused_naming_the_setting(tmp_path):
 
     bare = tmp_path / "bare"
     bare.mkdir()
-    (bare / "config.json").write_text(json.dumps(QWEN3))
+    (bare / "config.json").write_text(json.dumps(HF_CONFIG))
     with pytest.raises(
         ConfigError, match=r"model.path=.*bare: no model.safetensors or model.safetensors.index.json"
     ):

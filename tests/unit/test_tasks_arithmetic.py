@@ -4,6 +4,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tidal.broker.types import PromptRow
+from tidal.cli import load_run_config
 from tidal.config import RunConfig
 from tidal.configio import build, load_config
 from tidal.errors import ConfigError
@@ -59,17 +60,8 @@ def test_eval_larger_than_the_problem_space_is_a_clear_error():
         make_records(digits=1, num_train=10, num_eval=100, seed=0)
 
 
-QWEN3 = {
-    "model_type": "qwen3",
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 16,
-    "max_position_embeddings": 64,
-}
+# a Hugging Face config.json as a checkpoint has it: the default job's model
+HF_CONFIG = load_run_config(None, []).model.to_hf_dict()
 
 
 def _config(tmp_path, *overrides):
@@ -127,7 +119,7 @@ def test_a_given_tokenizer_and_eval_file_are_read_never_written(tmp_path):
     # a checkpoint keeps its own tokenizer; a model tidal initialises gets the character-level one
     model = tmp_path / "model"
     save_char_tokenizer(model, DEFAULT_CHARSET)
-    (model / "config.json").write_text(json.dumps(QWEN3))
+    (model / "config.json").write_text(json.dumps(HF_CONFIG))
     assert task_files(_config(run, f"model.path={model}"), run).tokenizer == model
     assert task_files(_config(run), run).tokenizer == run / "tokenizer"
 
