@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ctypes
 import logging
 import os
@@ -181,6 +182,8 @@ async def run_node(config, broker: str, name: str, engine_urls: list[str]) -> in
         stopped.cancel()
         if not ready.done():
             ready.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ready  # retrieved, so asyncio does not log the cancelled gather as an error
             log.info("stopped while the engines were starting")
             return 0
         _, task = ready.result()

@@ -471,6 +471,7 @@ def run_grpo(
                 env=placement.node_envs[i],
                 restart=True,
                 max_restarts=5,
+                expect_exit=True,  # exit 0: the data is exhausted (or the node was told to leave)
             )
         )
     train_cmd = torchrun_cmd(
@@ -490,10 +491,12 @@ def run_grpo(
     pos = 0
     client = BrokerClient(config.broker.bind, timeout_s=5.0, curve=curve)
     last_stats = 0.0
+    last_step = 0
     try:
         while True:
             done = sup.poll()
             records, pos = read_metrics(rd.metrics, pos)
+            last_step = max([last_step, *(r["step"] for r in records)])
             stats = None
             if time.time() - last_stats > 2.0:
                 last_stats = time.time()
@@ -505,6 +508,13 @@ def run_grpo(
             if "trainer" in done:
                 break
             time.sleep(0.5)
+        if last_step < config.trainer.steps:
+            # the trainer finishes early only when the broker will never have another batch
+            epochs = config.broker.data.epochs
+            view.event(
+                f"GRPO ended after step {last_step} of trainer.steps={config.trainer.steps}: the data is "
+                f"exhausted (broker.data.epochs={epochs}); raise it, or give more rows, for more steps"
+            )
     finally:
         client.close()
     return time.time() - t0

@@ -25,7 +25,9 @@ class ProcessSpec:
     env: dict[str, str] = field(default_factory=dict)
     restart: bool = False  # restart when it dies (rollout nodes); otherwise its death stops the job
     max_restarts: int = 3
-    expect_exit: bool = False  # a process that finishes on its own (the trainer) and whose exit 0 is success
+    # a process that finishes on its own and whose exit 0 is success, not restarted: the trainer, and a rollout
+    # node once the broker has no more prompts
+    expect_exit: bool = False
 
 
 @dataclass
@@ -73,6 +75,7 @@ class Supervisor:
                 continue
             state.exit_code = code
             if code == 0 and state.spec.expect_exit:
+                self.on_event(f"{name} finished")
                 finished.append(name)
                 continue
             # exit code 2 is tidal's configuration error (tidal/cli.py): the same command would fail again

@@ -57,14 +57,14 @@ def parse_options(args: list[str]) -> TrainOptions:
 class _BatchFeed:
     """Rank 0's broker connection: batches fetched one ahead in a thread; the rest on the main thread."""
 
-    def __init__(self, address: str, timeout_s: float, curve=None, broker_wait_s: float = 0.0):
+    def __init__(self, address: str, timeout_s: float, name: str, curve=None, broker_wait_s: float = 0.0):
         from tidal.broker.client import BrokerClient
 
         self.address = address
         self.timeout_s = timeout_s
         self.fetcher = BrokerClient(address, curve=curve)
         self.control = BrokerClient(address, curve=curve)
-        self.control.register("trainer", f"trainer-{dist.get_world_size()}ranks", wait_s=broker_wait_s)
+        self.control.register("trainer", name, wait_s=broker_wait_s)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
         self.pending: tuple[int, concurrent.futures.Future] | None = None
         self._engines: list[str] = []
@@ -93,6 +93,24 @@ class _BatchFeed:
 
     def report_consumed(self, batch_id: int) -> None:
         self._tolerant(self.control.report_consumed, batch_id)
+
+    def why_no_batch(self) -> tuple[str, str]:
+        """Why ``get`` gave None: ``("exhausted", ...)`` when no group will ever come again, else
+        ``("timeout", ...)``, each with a line saying what the broker holds."""
+        stats = self._tolerant(self.control.stats)
+        if stats is None:
+            return "timeout", "the broker did not answer a stats request either"
+        if stats.get("finished"):
+            cursor = stats["cursor"]
+            return "exhausted", (
+                f"the broker's data is exhausted: it handed out its {cursor['rows']} rows "
+                f"{cursor['epoch']} time(s) (broker.data.epochs) and nothing is in flight"
+            )
+        rollout = sum(n["role"] == "rollout" and n["alive"] for n in stats.get("nodes", {}).values())
+        return "timeout", (
+            f"broker: {rollout} rollout node(s) alive, {stats['queue_depth']} groups queued, "
+            f"{stats['in_flight_groups']} in flight, {stats['buffered_groups']} buffered"
+        )
 
     def engines(self) -> list[str]:
         stats = self._tolerant(self.control.stats)
@@ -123,6 +141,7 @@ class _BatchFeed:
 CATCH_UP_POLL_S = 2.0
 # not 0: a supervisor that did not ask for the stop restarts the trainer, which resumes from the checkpoint
 STOPPED_EXIT_CODE = 143
+NO_BATCH_EXIT_CODE = 1  # trainer.batch_timeout_s passed without a batch: a failure, not a finished run
 
 
 STOP = object()  # what _next_batch returns when a signal asked the trainer to stop (trainer/stop_request.py)
@@ -142,10 +161,24 @@ def _next_batch(feed, progress, push: _WeightPush, stop: StopRequest):
                 message = ("batch", feed.get(progress.last_batch_id, CATCH_UP_POLL_S))
             except TimeoutError:
                 message = ("waiting", None)
+        if message is not None and message[0] == "batch" and message[1] is None:
+            message = ("end", feed.why_no_batch())
         kind, batch = _broadcast(message)
         if kind == "batch":
             return batch
+        if kind == "end":
+            return NoBatch(*batch)
         push.catch_up(progress.step)
+
+
+@dataclass(frozen=True)
+class NoBatch:
+    """What _next_batch returns when the broker gives no batch: ``reason`` is ``exhausted`` (no group will
+    ever come: the run ends early, with its export) or ``timeout`` (``trainer.batch_timeout_s`` passed: the
+    trainer saves its checkpoint and fails, so that a restart resumes)."""
+
+    reason: str
+    detail: str
 
 
 def _broadcast(obj):
@@ -177,7 +210,13 @@ def main(config: RunConfig, args: list[str]) -> int:
     if progress is None:
         progress = Progress()
     feed = (
-        _BatchFeed(opts.broker or config.broker.bind, tc.batch_timeout_s, curve, tc.broker_wait_s)
+        _BatchFeed(
+            opts.broker or config.broker.bind,
+            tc.batch_timeout_s,
+            f"trainer-{dist.get_world_size()}ranks",
+            curve,
+            tc.broker_wait_s,
+        )
         if trainer.rank == 0
         else None
     )
@@ -190,13 +229,15 @@ def main(config: RunConfig, args: list[str]) -> int:
         last_saved = progress.step
         last_wall = time.perf_counter()
         stopped = False
+        ended: NoBatch | None = None
         while progress.step < tc.steps:
             batch = _next_batch(feed, progress, push, stop)
             if batch is STOP:
                 stopped = True  # every rank saw it (a collective): all save and leave together
                 break
-            if batch is None:
-                break  # the data is exhausted (or the broker gave nothing within batch_timeout_s)
+            if isinstance(batch, NoBatch):
+                ended = batch
+                break
             if feed is not None:
                 feed.prefetch(batch.batch_id)
             groups = batch.groups
@@ -265,6 +306,26 @@ def main(config: RunConfig, args: list[str]) -> int:
                     flush=True,
                 )
             return STOPPED_EXIT_CODE
+        if ended is not None and trainer.rank == 0:
+            what = (
+                f"no batch from the broker within trainer.batch_timeout_s={tc.batch_timeout_s:g}s"
+                if ended.reason == "timeout"
+                else "the run ends early"
+            )
+            print(
+                f"tidal train: {what} after step {progress.step} of {tc.steps} (broker batch "
+                f"{progress.last_batch_id}): {ended.detail}",
+                file=sys.stderr,
+                flush=True,
+            )
+        if ended is not None and ended.reason == "timeout":
+            if trainer.rank == 0:
+                print(
+                    f"tidal train: its checkpoint is in {out}; a restart resumes from it",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return NO_BATCH_EXIT_CODE
         trainer.export_hf(export, tokenizer_from=opts.init)
         return 0
     finally:

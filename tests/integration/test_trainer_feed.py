@@ -1,32 +1,27 @@
-"""The trainer's broker connection through a broker SIGKILLed and restarted on its journal: version
-publishes, consumption reports and engine lookups that get no answer are let go (each is cumulative: the
-next one covers it) instead of killing the trainer; the next ones reach the restarted broker."""
+"""The trainer's broker connection (rank 0's) against a real broker process.
+
+Through a broker SIGKILLed and restarted on its journal: version publishes, consumption reports and engine
+lookups that get no answer are let go (each is cumulative: the next one covers it) instead of killing the
+trainer; the next ones reach the restarted broker. When no batch comes, the feed tells a starved broker
+(a failure: the trainer saves and exits non-zero) from one whose data is exhausted (the run ends early).
+"""
 
 import signal
 
 import pytest
-import torch.distributed as dist
 
-from tidal.broker.testing import start_broker
+from tidal.broker.client import BrokerClient
+from tidal.broker.testing import fake_group, start_broker
 from tidal.procs import free_port, kill_tree, stop
 from tidal.trainer.main import _BatchFeed
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def world_of_one():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def test_unanswered_reports_are_let_go_and_the_next_reach_the_restarted_broker(
-    tmp_path, world_of_one, caplog
-):
+def test_unanswered_reports_are_let_go_and_the_next_reach_the_restarted_broker(tmp_path, caplog):
     port = free_port()
     proc, address = start_broker(tmp_path, 16, port=port)
-    feed = _BatchFeed(address, timeout_s=5.0)
+    feed = _BatchFeed(address, timeout_s=5.0, name="trainer-test")
     try:
         feed.control.timeout_s = 1.0
         feed.publish_version(1)
@@ -40,6 +35,33 @@ def test_unanswered_reports_are_let_go_and_the_next_reach_the_restarted_broker(
         proc, _ = start_broker(tmp_path, 16, port=port)
         feed.publish_version(3)
         assert feed.control.policy_version() == 3
+    finally:
+        feed.close()
+        stop(proc)
+
+
+def test_no_batch_is_a_starved_broker_until_the_data_is_exhausted(tmp_path):
+    proc, address = start_broker(tmp_path, 4, group_size=4, batch_groups=2, data={"epochs": 1})
+    feed = _BatchFeed(address, timeout_s=1.0, name="trainer-test")
+    try:
+        assert feed.get(-1) is None  # nobody generates: batch_timeout_s passes
+        reason, detail = feed.why_no_batch()
+        assert reason == "timeout"
+        assert detail == "broker: 0 rollout node(s) alive, 4 groups queued, 0 in flight, 0 buffered"
+        with BrokerClient(address, timeout_s=10) as node:
+            node.register("rollout", "scripted-node")
+            lease = node.lease(4)
+            reason, detail = feed.why_no_batch()
+            assert (reason, detail.split(", ")[2]) == ("timeout", "4 in flight")
+            node.submit(lease.lease_id, [fake_group(g, response_len=3) for g in lease.groups])
+        assert [feed.get(-1).batch_id, feed.get(0).batch_id] == [0, 1]
+        assert feed.get(1) is None  # at once: no group will ever come again
+        reason, detail = feed.why_no_batch()
+        assert reason == "exhausted"
+        assert detail == (
+            "the broker's data is exhausted: it handed out its 4 rows 1 time(s) (broker.data.epochs) "
+            "and nothing is in flight"
+        )
     finally:
         feed.close()
         stop(proc)

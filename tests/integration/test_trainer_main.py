@@ -4,7 +4,8 @@ The scripted node (a thread in this test, registered with the broker like a roll
 groups and submits scored groups with synthetic tokens: no engine is needed because the trainer only consumes
 groups; with no engine registered the trainer skips weight sync. The trainer runs 2 processes (EP2 on the
 tiny MoE model), checkpoints, exits, and a second launch resumes from the checkpoint with more steps: it
-must continue the policy version and ask for the next batch, never repeating one.
+must continue the policy version and ask for the next batch, never repeating one. Its data holds six
+steps: the second launch asks for eight and ends, exported and saying why, once the data is exhausted.
 
 It trains fully sharded (``fsdp2``) with recomputed proximal logprobs (token-level TIS) and a KL term to a
 reference model, two minibatches per batch: the proximal logprobs are the batch's starting policy, so the
@@ -84,6 +85,16 @@ def _train(tmp: Path, address: str, steps: int, keys: dict[str, Path]) -> subpro
 
 @pytest.fixture
 def fed_broker(tmp_path):
+    yield from _fed_broker(tmp_path, rows=64)
+
+
+@pytest.fixture
+def finite_broker(tmp_path):
+    """Six prompts, one epoch: three batches of two groups, six steps of two minibatches."""
+    yield from _fed_broker(tmp_path, rows=6, data={"epochs": 1})
+
+
+def _fed_broker(tmp_path, rows: int, **settings):
     """A CURVE broker with the scripted node feeding it; yields (address, keys)."""
     keys = make_curve_keys(tmp_path)
     curve = {
@@ -92,7 +103,7 @@ def fed_broker(tmp_path):
         "allowed_client_keys_dir": str(keys["allowed"]),
     }
     broker, address = start_broker(
-        tmp_path / "broker", rows=64, group_size=4, batch_groups=2, max_staleness=4, curve=curve
+        tmp_path / "broker", rows, group_size=4, batch_groups=2, max_staleness=4, curve=curve, **settings
     )
     node_keys = CurveClientKeys.from_files(keys["node_secret"], keys["broker"])
     stop_event = threading.Event()
@@ -113,12 +124,16 @@ def _policy_version(address: str, keys: dict[str, Path]) -> int:
 
 
 @pytest.mark.slow
-def test_train_pulls_batches_checkpoints_and_resumes(tmp_path, fed_broker):
-    address, keys = fed_broker
+def test_train_pulls_batches_checkpoints_resumes_and_ends_with_the_data(tmp_path, finite_broker):
+    address, keys = finite_broker
     first = _train(tmp_path, address, steps=4, keys=keys)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-5000:]
-    second = _train(tmp_path, address, steps=6, keys=keys)
+    # asked for 8 steps, the data holds 6: the run ends early, saying why, and is exported (a finished run)
+    second = _train(tmp_path, address, steps=8, keys=keys)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-5000:]
+    assert "tidal train: the run ends early after step 6 of 8 (broker batch 2): the broker's data is" in (
+        second.stderr
+    )
     version = _policy_version(address, keys)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     # two minibatches per batch: two optimizer steps (two policy versions) per broker batch

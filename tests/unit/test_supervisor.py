@@ -75,3 +75,24 @@ def test_a_crash_is_restarted_and_a_configuration_error_is_not(tmp_path):
     with pytest.raises(ProcessDied, match=r"broker died with exit code 2\. Last lines of"):
         sup.poll()
     assert sup.states["broker"].restarts == 0
+
+
+def test_a_process_that_finishes_on_its_own_is_not_restarted_and_its_crash_is(tmp_path):
+    """A rollout node exits 0 once the broker has no more prompts: done, not dead (it used to be restarted,
+    spending a restart, only to find nothing to do)."""
+    events = []
+    sup = Supervisor(on_event=events.append)
+    for name, code in (("rollout0", 0), ("rollout1", 1)):
+        spec = ProcessSpec(
+            name,
+            [sys.executable, "-c", f"raise SystemExit({code})"],
+            tmp_path / f"{name}.log",
+            restart=True,
+            expect_exit=True,
+        )
+        sup.start(spec).proc.wait()
+    assert sup.poll() == ["rollout0"]
+    assert sup.states["rollout0"].restarts == 0 and "rollout0 finished" in events
+    assert sup.states["rollout1"].restarts == 1
+    assert "rollout1 died with exit code 1; restarting (1/3)" in events
+    sup.stop_all(timeout_s=5)
