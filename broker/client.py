@@ -71,6 +71,7 @@ class AsyncBrokerClient:
         self.address = address
         self.timeout_s = timeout_s
         self.node_id: str | None = None
+        self.registered: dict[str, Any] = {}  # the register reply: the broker's settings (docs/protocol.md)
         # On the broker's host, group frames are encoded into memory the broker offers (submit_memory).
         self._host = host_id() if submit_memory else None
         self._ring: SubmitRing | None = None
@@ -142,6 +143,7 @@ class AsyncBrokerClient:
 
     async def _register_once(self) -> None:
         body = (await self._call_once("register", self._registration))[0]
+        self.registered = {k: v for k, v in body.items() if k != "submit_memory"}  # the broker's settings
         self.node_id = body["node_id"]
         self._map_ring(body.get("submit_memory"))
         self._generation += 1

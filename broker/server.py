@@ -288,6 +288,7 @@ class BrokerServer:
                 "group_size": self.cfg.group_size,
                 "batch_groups": self.cfg.batch_groups,
                 "max_staleness": self.cfg.max_staleness,
+                "staleness_policy": self.cfg.staleness_policy,
                 "lease_timeout_s": self.cfg.lease_timeout_s,
                 "node_timeout_s": self.cfg.node_timeout_s,
             },

@@ -36,7 +36,7 @@ from tidal.broker.client import AsyncBrokerClient, BrokerError, LeaseRejected
 from tidal.broker.types import Group, PromptGroup, PromptRow, Sample
 from tidal.rollout.config import RolloutConfig
 from tidal.rollout.engine_pool import EnginePool, EngineUnavailable
-from tidal.rollout.generation import PartialResponse, SampleFailed, generate, generate_group
+from tidal.rollout.generation import PartialResponse, SampleFailed, generate, generate_group, parse_version
 from tidal.rollout.tasks import Task
 
 log = logging.getLogger("tidal.rollout.agent")
@@ -97,6 +97,10 @@ class RolloutAgent:
         # node itself is suspect (its tokenizer or its engine refuses everything) and must not use up the data
         self._group_failures_reported = group_failures_reported
         self.exit_code = 0
+        # the broker's staleness bound where it drops what is beyond it (None: it keeps stale groups)
+        self._stale_limit: int | None = None
+        self.engine_version = 0  # the oldest policy version this node's engines serve, as last asked
+        self._waiting_for_weights = False
         self._base_sampling = {
             "temperature": config.sampling.temperature,
             "top_p": config.sampling.top_p,
@@ -169,8 +173,39 @@ class RolloutAgent:
             "pid": os.getpid(),
         }
         await self.client.register("rollout", self.name, meta, wait_s=self.agent_cfg.broker_wait_s)
+        settings = self.client.registered
+        drops = settings.get("staleness_policy") == "drop" and "max_staleness" in settings
+        self._stale_limit = int(settings["max_staleness"]) if drops else None
         hb = await self.client.heartbeat()
         self.policy_version = int(hb.get("policy_version", 0))
+
+    async def _weights_fresh(self) -> bool:
+        """Whether groups this node starts now can be trained. The broker drops a group whose oldest token
+        is more than ``max_staleness`` versions behind the trainer's (policy ``drop``), so engines that far
+        behind (a node started mid-run, every process of a resumed run: they load the run's first weights)
+        would only use up prompts. Such a node waits for the trainer's weight sync instead, asking its
+        engines' ``/model_info`` until their version is recent enough."""
+        limit = self._stale_limit
+        if limit is None:
+            return True
+        if self.policy_version - self.engine_version > limit:
+            versions = await self.pool.weight_versions()
+            if versions:
+                self.engine_version = min(parse_version(v) for v in versions)
+        fresh = self.policy_version - self.engine_version <= limit
+        if fresh and self._waiting_for_weights:
+            log.info("engines now serve weights of version %d; leasing again", self.engine_version)
+        elif not fresh and not self._waiting_for_weights:
+            log.info(
+                "engines serve weights of version %d, the trainer is at %d and the broker drops groups more "
+                "than %d versions behind (broker.max_staleness): waiting for the trainer's weights before "
+                "leasing",
+                self.engine_version,
+                self.policy_version,
+                limit,
+            )
+        self._waiting_for_weights = not fresh
+        return fresh
 
     # --- loops -----------------------------------------------------------------------------------
 
@@ -199,6 +234,9 @@ class RolloutAgent:
             free = self.free_groups()
             if free <= 0 or self.data_finished:
                 await self._wait_change(None)
+                continue
+            if not await self._weights_fresh():
+                await self._wait_change(self.agent_cfg.lease_poll_s)
                 continue
             try:
                 lease = await self.client.lease(min(free, self.agent_cfg.max_groups_per_lease))

@@ -191,6 +191,13 @@ class EnginePool:
 
     # --- health ----------------------------------------------------------------------------------
 
+    async def weight_versions(self) -> list[str | None]:
+        """The ``weight_version`` each healthy engine reports (``/model_info``); one that does not answer
+        is left out (its requests find out)."""
+        healthy = [s for s in self.slots if s.healthy]
+        infos = await asyncio.gather(*(s.client.model_info() for s in healthy), return_exceptions=True)
+        return [info.get("weight_version") for info in infos if isinstance(info, dict)]
+
     async def mark_down(self, slot: EngineSlot, why: str) -> None:
         async with self._changed:
             if not slot.healthy or self.closed:

@@ -11,6 +11,7 @@ import signal
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -198,6 +199,50 @@ def test_a_prompt_no_engine_can_take_is_dropped_after_its_failures_and_the_run_g
         broker_log = (tmp_path / "broker" / "broker.log").read_text()
         assert "group 0:3 dropped after 3 failed attempts" in broker_log
         assert "longer than the model's context length" in broker_log
+    finally:
+        if node is not None:
+            stop(node)
+        consumer.close()
+        stop(broker)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_node_whose_weights_the_broker_would_drop_waits_for_newer_ones(tmp_path):
+    """A node that starts behind the trainer (started mid-run, or every process of a resumed run) loads the
+    run's first weights. Under the `drop` policy its groups would all be dropped as stale and its prompts
+    used up (seen: a resumed run whose one remaining epoch went that way), so it leases nothing until its
+    engines serve a version within max_staleness. Here the new version arrives through SGLang's
+    /update_weight_version, as the trainer's sync names it."""
+    rows, _ = make_records(digits=2, num_train=4, num_eval=2, seed=0)
+    broker, address = start_broker(
+        tmp_path / "broker",
+        rows=rows,
+        group_size=GROUP_SIZE,
+        batch_groups=4,
+        max_staleness=1,
+        data={"epochs": 1, "shuffle": False},
+    )
+    logs = [tmp_path / "node-a.log", tmp_path / "broker" / "broker.log"]
+    node = None
+    consumer = BrokerClient(address, timeout_s=10.0)
+    try:
+        consumer.register("trainer", "test-consumer")
+        consumer.publish_version(3)
+        node = start_node(tmp_path, address, "a")
+        wait_until(
+            lambda: "waiting for the trainer's weights" in logs[0].read_text(), 60, "the node to wait", logs
+        )
+        time.sleep(1.0)  # it goes on waiting: nothing leased
+        stats = consumer.stats()
+        assert (stats["in_flight_groups"], stats["cursor"]["pos"]) == (0, 0)
+        (url,) = node_named(stats, "a")["meta"]["engines"]
+        httpx.post(f"{url}/update_weight_version", json={"new_version": "3"}, timeout=10).raise_for_status()
+        batch = wait_until(lambda: consumer.get_batch(-1, timeout_s=0.5), 120, "the batch", logs)
+        assert sorted(g.meta["row"] for g in batch.groups) == [0, 1, 2, 3]
+        assert {int(g.min_version) for g in batch.groups} == {3}
+        assert consumer.stats()["counters"]["dropped_stale_groups"] == 0
+        assert "engines now serve weights of version 3; leasing again" in logs[0].read_text()
     finally:
         if node is not None:
             stop(node)
