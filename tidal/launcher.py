@@ -583,7 +583,6 @@ def print_report(results: dict) -> None:
         verdict = "; ".join(j["problems"]) or "no group lost or trained twice"
         print(
             f"journal: {j['taken']} groups taken, {j['accepted']} accepted, {j['batched']} in "
-            f"{len(j['batches'])} batches, {j['dropped_stale']} dropped stale, {j['failed']} failed, "
-            f"{j['outstanding']} in flight "
-            f"at the end: {verdict}"
+            f"{len(j['batches'])} batches, {j['dropped_stale']} dropped stale, {j['filtered']} filtered "
+            f"(dynamic sampling), {j['failed']} failed, {j['outstanding']} in flight at the end: {verdict}"
         )

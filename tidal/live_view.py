@@ -1,4 +1,5 @@
-"""The default job's live view: progress with ETA, reward, accuracy, staleness, throughput, sync time, health."""
+"""The default job's live view: progress with ETA, reward, solved, staleness, throughput, sync time, the broker's
+queue and drops, health."""
 
 from __future__ import annotations
 
@@ -106,31 +107,42 @@ class LiveView:
             f"sync {_fmt(m.get('time/weight_sync_s'), '.2f')}s"
         )
 
-    def render(self) -> RichGroup:
+    def rows(self) -> list[tuple[str, str]]:
+        """The view's figures: the trainer's latest metrics line, then the broker's latest stats."""
         m = self.last
-        table = Table.grid(padding=(0, 2))
-        table.add_column(style="bold")
-        table.add_column()
         rows = [
             ("reward", _fmt(m.get("reward/mean"))),
-            ("accuracy (train samples)", _fmt(m.get("reward/accuracy"))),
+            ("solved (train samples)", _fmt(m.get("reward/solved"))),
             (
                 "staleness mean / max",
-                f"{_fmt(m.get('staleness/mean'), '.2f')} / {_fmt(m.get('staleness/max'), '.0f')}",
+                f"{_fmt(m.get('offpolicy/staleness_mean'), '.2f')} / "
+                f"{_fmt(m.get('offpolicy/staleness_max'), '.0f')}",
             ),
             ("samples/s (trained)", _fmt(m.get("throughput/samples_per_s"), ".1f")),
             ("tokens/s (trained)", _fmt(m.get("throughput/tokens_per_s"), ".0f")),
             ("weight sync", f"{_fmt(m.get('time/weight_sync_s'), '.3f')} s"),
             ("loss", _fmt(m.get("loss/total"), ".4f")),
         ]
-        if self.broker:
+        b = self.broker
+        if b:
+            c = b.get("counters", {})
+            nodes = sum(n.get("role") == "rollout" and n.get("alive") for n in b.get("nodes", {}).values())
             rows.append(
                 (
                     "broker",
-                    f"buffered {self.broker.get('buffered', '-')}, in flight {self.broker.get('in_flight', '-')}, "
-                    f"dropped {self.broker.get('dropped_stale', self.broker.get('dropped', '-'))}",
+                    f"{nodes} rollout node(s); queued {b.get('queue_depth', '-')}, in flight "
+                    f"{b.get('in_flight_groups', '-')}, buffered {b.get('buffered_groups', '-')} groups; "
+                    f"dropped stale {c.get('dropped_stale_groups', '-')}, filtered "
+                    f"{c.get('filtered_groups', '-')}, failed {c.get('failed_groups', '-')}",
                 )
             )
+        return rows
+
+    def render(self) -> RichGroup:
+        table = Table.grid(padding=(0, 2))
+        table.add_column(style="bold")
+        table.add_column()
+        rows = self.rows()
         for k, v in rows:
             table.add_row(k, v)
         health = Table("process", "state", box=None)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tidal.live_view import LiveView
 from tidal.procs import free_port
 
 
@@ -44,6 +45,9 @@ def test_shortened_default_job_runs_end_to_end_and_continues(tmp_path: Path):
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps] == [1, 2, 3]
     assert all("reward/mean" in m and "loss" in m for m in steps)
+    view = LiveView(3, "tidal tiny", interactive=False)  # what `tidal run` in a terminal shows
+    view.update(steps, None, {})
+    assert [label for label, value in view.rows() if "-" in value.split()] == []
     # every trained batch is a distinct broker batch; versions follow optimizer steps
     assert len({m["batch_id"] for m in steps}) == 3
     assert (run_dir / "final_hf" / "config.json").exists()
