@@ -106,9 +106,12 @@ def _unpack(payload: memoryview) -> dict:
 
 
 def journal_file(path: str | Path) -> Path:
-    """The log at ``path``: a ``journal.log``, or the journal directory holding one."""
+    """The log at ``path``: a ``journal.log``, the journal directory holding one, or a run directory whose
+    ``journal/`` holds one (where ``tidal run`` puts it)."""
     path = Path(path)
     log = path / "journal.log" if path.is_dir() else path
+    if path.is_dir() and not log.is_file() and (path / "journal" / "journal.log").is_file():
+        log = path / "journal" / "journal.log"
     if not log.is_file():
         where = f"{path} holds no journal.log" if path.is_dir() else f"there is no {path}"
         raise ConfigError(

@@ -2,6 +2,7 @@
 
     tidal journal runs/tiny/journal                 # the account of every prompt group, and the file's state
     tidal journal runs/tiny/journal --format json   # the same as one JSON object
+    tidal journal runs/tiny                         # a run directory: its journal/
     tidal journal                                   # the config's journal: broker.journal.dir or <run_dir>/journal
 
 It reads the log without writing it (a running broker's journal too) and checks what the broker checks at

@@ -107,6 +107,8 @@ def test_tidal_journal_after_a_compaction_checks_the_files_it_refers_to(tmp_path
     assert tidal(["journal", str(tmp_path / "journal"), "--format=json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["compacted"] and d["refs"] == 4 and d["buffered"] == 4 and d["problems"] == []
+    assert tidal(["journal", str(tmp_path), "--format=json"]) == 0  # the run directory holding journal/
+    assert json.loads(capsys.readouterr().out) == d
 
     kept[0].unlink()  # what a broker would refuse to start on
     assert tidal(["journal", str(tmp_path / "journal")]) == 1
