@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -24,7 +23,7 @@ from pathlib import Path
 
 from tidal.configio import dump_config
 from tidal.errors import ConfigError
-from tidal.procs import free_port
+from tidal.procs import die_with_parent, free_port
 from tidal.rollout.engine_pool import EnginePool, EngineSlot, Launch
 
 log = logging.getLogger("tidal.rollout")
@@ -46,18 +45,6 @@ def parse_args(config, args: list[str]) -> argparse.Namespace:
             "e.g. tcp://10.0.0.5:5555"
         )
     return ns
-
-
-def _die_with_parent(parent: int):
-    """For the child, before exec: get SIGKILL when the agent dies, even by SIGKILL, so no engine
-    outlives it (and exit at once if the agent already died between fork and this call)."""
-
-    def preexec() -> None:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:
-            os._exit(1)
-
-    return preexec
 
 
 def engine_launcher(config, node_dir: Path) -> Launch:
@@ -114,7 +101,7 @@ def engine_launcher(config, node_dir: Path) -> Launch:
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
-                preexec_fn=_die_with_parent(os.getpid()),
+                preexec_fn=die_with_parent(os.getpid(), signal.SIGKILL),  # no engine outlives the agent
             )
         finally:
             out.close()

@@ -308,10 +308,11 @@ def main(config: RunConfig, args: list[str]) -> int:
     view = LiveView(config.trainer.steps, f"tidal {config.name}{' (sync)' if opts.sync else ''}", interactive)
     sup = Supervisor(on_event=view.event)
 
-    def _on_signal(signum, frame):  # noqa: ARG001 - SIGTERM stops the job like Ctrl-C
+    def _on_signal(signum, frame):  # noqa: ARG001 - SIGTERM (and a closed terminal's SIGHUP) stop like Ctrl-C
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGHUP, _on_signal)
     try:
         files = prepare_task(config, rd.root)
         check_prompts(files)  # a tokenizer that cannot render the data fails here, not on every node

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import signal
@@ -57,18 +58,46 @@ def python_cmd(*args: str) -> list[str]:
 
 
 def spawn(
-    cmd: Sequence[str], log_path: str | Path | None = None, env: dict[str, str] | None = None
+    cmd: Sequence[str],
+    log_path: str | Path | None = None,
+    env: dict[str, str] | None = None,
+    parent_death_signal: int | None = None,
 ) -> subprocess.Popen:
-    """Start a process in its own session (so a kill reaches its children), output to ``log_path``."""
+    """Start a process in its own session (so a kill reaches its children), output to ``log_path``.
+
+    With ``parent_death_signal`` (Linux), the process gets that signal when the thread that started it
+    dies, even by SIGKILL: a launcher that is killed leaves no process behind. Start such processes from
+    a thread that lives as long as they should (the main thread)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     if log_path is not None:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         out = open(log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
     else:
         out = subprocess.DEVNULL
+    preexec = None if parent_death_signal is None else die_with_parent(os.getpid(), parent_death_signal)
     return subprocess.Popen(
-        list(cmd), stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+        list(cmd),
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env=full_env,
+        start_new_session=True,
+        preexec_fn=preexec,
     )
+
+
+def die_with_parent(parent: int, sig: int):
+    """For a child, before exec: get ``sig`` when its parent dies (PR_SET_PDEATHSIG), and exit at once if
+    the parent already died between fork and this call."""
+
+    def preexec() -> None:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
+
+
+PR_SET_PDEATHSIG = 1
 
 
 def kill_tree(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:

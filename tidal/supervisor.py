@@ -6,6 +6,7 @@ entries a cluster would start by hand.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -54,7 +55,9 @@ class Supervisor:
 
     def start(self, spec: ProcessSpec) -> ProcessState:
         state = self.states.get(spec.name) or ProcessState(spec)
-        state.proc = spawn(spec.cmd, spec.log, spec.env)
+        # SIGTERM when the launcher dies (even by SIGKILL): each stops as when stopped (the trainer saves a
+        # checkpoint) instead of running on unwatched and holding the broker's port
+        state.proc = spawn(spec.cmd, spec.log, spec.env, parent_death_signal=signal.SIGTERM)
         state.started_at = time.time()
         state.exit_code = None
         self.states[spec.name] = state

@@ -68,6 +68,7 @@ class _BatchFeed:
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
         self.pending: tuple[int, concurrent.futures.Future] | None = None
         self._engines: list[str] = []
+        self.stop: StopRequest | None = None  # once a stop is asked for, the broker gets little time
 
     def prefetch(self, after: int) -> None:
         if self.pending is None or self.pending[0] != after:
@@ -126,6 +127,10 @@ class _BatchFeed:
     def _tolerant(self, call, *args):
         from tidal.broker.client import BrokerTimeout
 
+        if self.stop is not None and self.stop.requested:
+            # the checkpoint matters, not these calls: with the whole job stopping (a killed `tidal run`
+            # signals every process at once) the broker may be gone, and each call would wait it out
+            self.control.timeout_s = min(self.control.timeout_s, STOPPING_BROKER_TIMEOUT_S)
         try:
             return call(*args)
         except BrokerTimeout as exc:
@@ -139,6 +144,7 @@ class _BatchFeed:
 
 
 CATCH_UP_POLL_S = 2.0
+STOPPING_BROKER_TIMEOUT_S = 3.0
 # not 0: a supervisor that did not ask for the stop restarts the trainer, which resumes from the checkpoint
 STOPPED_EXIT_CODE = 143
 NO_BATCH_EXIT_CODE = 1  # trainer.batch_timeout_s passed without a batch: a failure, not a finished run
@@ -223,6 +229,8 @@ def main(config: RunConfig, args: list[str]) -> int:
     writer = MetricsWriter(run_dir) if trainer.rank == 0 else None
     push = _WeightPush(config, trainer, feed)
     stop = StopRequest()
+    if feed is not None:
+        feed.stop = stop
     try:
         if feed is not None:
             feed.publish_version(progress.step)

@@ -2,10 +2,11 @@
 
 Through a broker SIGKILLed and restarted on its journal: version publishes, consumption reports and engine
 lookups that get no answer are let go (each is cumulative: the next one covers it) instead of killing the
-trainer; the next ones reach the restarted broker. When no batch comes, the feed tells a starved broker
+trainer; the next ones reach the restarted broker; once a stop is asked for, they wait only briefly. When no batch comes, the feed tells a starved broker
 (a failure: the trainer saves and exits non-zero) from one whose data is exhausted (the run ends early).
 """
 
+import os
 import signal
 
 import pytest
@@ -13,7 +14,8 @@ import pytest
 from tidal.broker.client import BrokerClient
 from tidal.broker.testing import fake_group, start_broker
 from tidal.procs import free_port, kill_tree, stop
-from tidal.trainer.main import _BatchFeed
+from tidal.trainer.main import STOPPING_BROKER_TIMEOUT_S, _BatchFeed
+from tidal.trainer.stop_request import StopRequest
 
 pytestmark = pytest.mark.slow
 
@@ -35,6 +37,17 @@ def test_unanswered_reports_are_let_go_and_the_next_reach_the_restarted_broker(t
         proc, _ = start_broker(tmp_path, 16, port=port)
         feed.publish_version(3)
         assert feed.control.policy_version() == 3
+
+        # a stop asked for (SIGTERM): the calls left get a short timeout, the broker may be gone with the job
+        feed.control.timeout_s = 30.0
+        feed.stop = StopRequest()
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)  # recorded by the handler, as in the trainer
+            stop(proc)
+            feed.report_consumed(0)
+            assert feed.stop.requested and feed.control.timeout_s == STOPPING_BROKER_TIMEOUT_S
+        finally:
+            feed.stop.restore()
     finally:
         feed.close()
         stop(proc)

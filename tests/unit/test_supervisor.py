@@ -4,6 +4,7 @@ wait before SIGKILL (the trainer saves a checkpoint first), and an interrupt whi
 Ctrl-C) kills it and the rest at once."""
 
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -96,3 +97,46 @@ def test_a_process_that_finishes_on_its_own_is_not_restarted_and_its_crash_is(tm
     assert sup.states["rollout1"].restarts == 1
     assert "rollout1 died with exit code 1; restarting (1/3)" in events
     sup.stop_all(timeout_s=5)
+
+
+CHILD = """
+import pathlib, signal, sys, time
+def on_term(*_):
+    pathlib.Path(sys.argv[1]).write_text("SIGTERM")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+print("up", flush=True)
+time.sleep(120)
+"""
+
+LAUNCHER = """
+import sys, time
+from pathlib import Path
+from tidal.supervisor import ProcessSpec, Supervisor
+tmp = Path(sys.argv[1])
+Supervisor().start(ProcessSpec("node", [sys.executable, "-c", sys.argv[2], str(tmp / "got")], tmp / "node.log"))
+print("started", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_killed_launcher_leaves_no_process_behind(tmp_path):
+    """`tidal run` SIGKILLed (or its terminal closed) used to leave its broker, nodes and trainer running
+    unwatched, the broker holding its port; each now gets SIGTERM and stops as when stopped."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(tmp_path), CHILD], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert launcher.stdout.readline() == "started\n"
+        deadline = time.monotonic() + 30
+        while "up" not in (tmp_path / "node.log").read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        launcher.kill()
+        launcher.wait(10)
+        while not (tmp_path / "got").exists():
+            assert time.monotonic() < deadline, "the child outlived its launcher"
+            time.sleep(0.05)
+        assert (tmp_path / "got").read_text() == "SIGTERM"
+    finally:
+        launcher.kill()
