@@ -97,14 +97,23 @@ def _adam_steps(state) -> list[float | None]:
 def _restore_adam_steps(state, steps: list[float | None]) -> None:
     # megatron 0.19's distributed optimizer, without Apex or TE, reloads torch Adam's per-parameter step
     # count from the placeholder states it loads into, so the bias correction would restart; set it back.
+    # The count goes where torch's own load would put it: on the parameter's device for the fused (or
+    # capturable) kernel, which refuses a count on the CPU (every resume on a GPU failed so), else the CPU.
     for inner, step in zip(_inner_optimizers(state), steps, strict=True):
-        if step is None:
-            continue
-        for st in inner.state.values():
-            if "step" in st:
-                st["step"] = (
-                    torch.tensor(step, dtype=st["step"].dtype) if torch.is_tensor(st["step"]) else step
-                )
+        for group in inner.param_groups:
+            on_param = bool(group.get("fused") or group.get("capturable"))
+            for param in group["params"]:
+                st = inner.state.get(param)
+                if not st or "step" not in st:
+                    continue
+                old = st["step"]
+                value = float(old) if step is None else step
+                if torch.is_tensor(old) or on_param:
+                    dtype = old.dtype if torch.is_tensor(old) else torch.float32
+                    device = param.device if on_param else torch.device("cpu")
+                    st["step"] = torch.tensor(value, dtype=dtype, device=device)
+                else:
+                    st["step"] = value
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:

@@ -317,22 +317,49 @@ def sft_minibatch(model: ModelConfig):
 
 
 def train_step_checks() -> dict:
-    """Two train steps with the default kernels: torch's fused Adam is switched on, no host sync per tensor."""
+    """Two train steps with the default kernels: torch's fused Adam is switched on, no host sync per tensor.
+    Then a checkpoint, loaded into a fresh model and optimizer, takes the third step as the first run does
+    (a resume on a GPU used to fail: the restored Adam step counts were on the CPU, which fused Adam refuses)."""
+    import tempfile
+
+    from tidal.trainer import checkpoint
     from tidal.trainer.config import OptimizerConfig
+    from tidal.trainer.fused_optim import _torch_optimizers
     from tidal.trainer.optimizer import build_train_state
     from tidal.trainer.step import train_step
 
     model = ModelConfig(family="qwen3", **SHAPE)
     parallel.init_parallel(MeshConfig(), model, seed=0)
     tconfig = models.transformer_config(model, MeshConfig(), bf16=True)
-    chunks = models.build_model(model, tconfig, seed=1)
-    state = build_train_state(chunks, tconfig, OptimizerConfig(lr=1e-3, clip_grad=1.0), total_steps=2)
+    optimizer = OptimizerConfig(lr=1e-3, clip_grad=1.0)
+    state = build_train_state(models.build_model(model, tconfig, seed=1), tconfig, optimizer, total_steps=4)
     minibatch, loss_fn = sft_minibatch(model)
     losses = [train_step(state, minibatch.micro_batches(0), loss_fn).loss for _ in range(2)]
-    from tidal.trainer.fused_optim import _torch_optimizers
-
     fused = [bool(g["fused"]) for opt in _torch_optimizers(state.optimizer) for g in opt.param_groups]
-    return {"losses": losses, "adam_groups_fused": fused}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = checkpoint.save(state, tmp, checkpoint.Progress(step=2))
+        continued = [train_step(state, minibatch.micro_batches(0), loss_fn).loss for _ in range(2)]
+        fresh = build_train_state(
+            models.build_model(model, tconfig, seed=2), tconfig, optimizer, total_steps=4
+        )
+        progress = checkpoint.load(fresh, path)
+        resumed = [train_step(fresh, minibatch.micro_batches(0), loss_fn).loss for _ in range(2)]
+    steps = {
+        str(st["step"].device) if torch.is_tensor(st["step"]) else "number"
+        for opt in _torch_optimizers(fresh.optimizer)
+        for st in opt.state.values()
+    }
+    return {
+        "losses": losses,
+        "adam_groups_fused": fused,
+        "resumed_at": progress.step,
+        "continued": continued,
+        "resumed": resumed,
+        "resumed_fused": [
+            bool(g["fused"]) for opt in _torch_optimizers(fresh.optimizer) for g in opt.param_groups
+        ],
+        "resumed_step_devices": sorted(steps),
+    }
 
 
 def three_steps(model: ModelConfig, kernels: KernelConfig) -> dict:

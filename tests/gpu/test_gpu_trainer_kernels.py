@@ -67,6 +67,15 @@ def test_train_step_uses_torchs_fused_adam(results):
     assert all(math.isfinite(x) for x in r["losses"]) and r["losses"][1] < r["losses"][0], r
 
 
+def test_a_checkpoint_resumes_on_the_gpu_and_steps_as_the_run_it_came_from(results):
+    """Saved after two fused-Adam steps and loaded into a fresh model and optimizer: the next two steps'
+    losses are the first run's next two, to bf16 rounding of the same arithmetic (1e-3 relative)."""
+    r = results["train_step"]
+    assert r["resumed_at"] == 2 and r["resumed_step_devices"] == ["cuda:0"], r
+    for got, want in zip(r["resumed"], r["continued"], strict=True):
+        assert abs(got - want) <= 1e-3 * abs(want), r
+
+
 def test_fused_grad_scale_matches_megatrons_scale_and_clip(results):
     """Normalisation x clip applied inside fused Adam (no host sync) against megatron multiplying the
     gradient buffer and clipping on the host: the same arithmetic up to fp32 rounding. The first step's
