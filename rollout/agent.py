@@ -63,6 +63,9 @@ class _InFlight:
     task: asyncio.Task
 
 
+WEIGHT_WAIT_LOG_S = 30.0  # how often a node waiting for newer weights says it still is
+
+
 class RolloutAgent:
     def __init__(
         self,
@@ -101,6 +104,7 @@ class RolloutAgent:
         self._stale_limit: int | None = None
         self.engine_version = 0  # the oldest policy version this node's engines serve, as last asked
         self._waiting_for_weights = False
+        self._waiting_since = self._wait_logged = 0.0
         self._base_sampling = {
             "temperature": config.sampling.temperature,
             "top_p": config.sampling.top_p,
@@ -193,9 +197,11 @@ class RolloutAgent:
             if versions:
                 self.engine_version = min(parse_version(v) for v in versions)
         fresh = self.policy_version - self.engine_version <= limit
+        now = time.monotonic()
         if fresh and self._waiting_for_weights:
             log.info("engines now serve weights of version %d; leasing again", self.engine_version)
         elif not fresh and not self._waiting_for_weights:
+            self._waiting_since = self._wait_logged = now
             log.info(
                 "engines serve weights of version %d, the trainer is at %d and the broker drops groups more "
                 "than %d versions behind (broker.max_staleness): waiting for the trainer's weights before "
@@ -203,6 +209,17 @@ class RolloutAgent:
                 self.engine_version,
                 self.policy_version,
                 limit,
+            )
+        elif not fresh and now - self._wait_logged >= WEIGHT_WAIT_LOG_S:
+            self._wait_logged = now
+            log.warning(
+                "still waiting for the trainer's weights after %.0fs (engines at version %d, trainer at %d); "
+                "the trainer syncs every engine the broker lists after each step: its log names engines it "
+                "left out and why (e.g. a model that does not match the trainer's), and the engines' logs "
+                "say what they refused",
+                now - self._waiting_since,
+                self.engine_version,
+                self.policy_version,
             )
         self._waiting_for_weights = not fresh
         return fresh

@@ -346,6 +346,15 @@ def main(config: RunConfig, args: list[str]) -> int:
         trainer.close()
 
 
+def _reached(report, urls: list[str]) -> str:
+    """``3 engine(s)``, or ``2 of 3 engine(s), left out: URL`` when the sync had to leave engines out (the
+    sender logs why, once per engine and reason)."""
+    if not report.dropped:
+        return f"{len(urls)} engine(s)"
+    left_out = sorted(set(report.dropped))
+    return f"{len(urls) - len(left_out)} of {len(urls)} engine(s), left out: {', '.join(left_out)}"
+
+
 def _train_temperature(config: RunConfig) -> float:
     """The sampling temperature of the rollouts (their logprobs are of the scaled distribution)."""
     t = config.rollout.sampling.temperature
@@ -394,7 +403,7 @@ class _WeightPush:
         seconds = time.perf_counter() - started
         if self.trainer.rank == 0 and report is not None:
             how = "replayed" if report.replayed else "announced"
-            print(f"step {step}: weights to {len(urls)} engine(s) in {seconds:.2f}s ({how})")
+            print(f"step {step}: weights to {_reached(report, urls)} in {seconds:.2f}s ({how})")
         return seconds if report is not None else None
 
     def catch_up(self, step: int) -> None:
@@ -407,10 +416,10 @@ class _WeightPush:
         self._engines(urls)
         started = time.perf_counter()
         gather_full_weights(self.trainer.state.chunks)
-        self.sync.sync(step)
+        report = self.sync.sync(step)
         if self.trainer.rank == 0:
             print(
-                f"waiting for a batch: weights of step {step} to {len(urls)} engine(s) (the set changed) "
+                f"waiting for a batch: weights of step {step} to {_reached(report, urls)} (the set changed) "
                 f"in {time.perf_counter() - started:.2f}s"
             )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future
@@ -9,6 +10,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from tidal.weights_sync.engine_api import EngineError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,17 +50,33 @@ class ReplayRefused(SyncFailed):
 
 
 def settle(futures: dict[str, Future], timeout_s: float) -> list[str]:
-    """The engines whose call failed or did not finish within ``timeout_s`` (one deadline for all)."""
+    """The engines whose call failed or did not finish within ``timeout_s`` (one deadline for all). Each
+    failure is logged, once per engine and message: the sync leaves such an engine out and goes on, and
+    without the log a node whose model does not match the trainer's only idled, unexplained."""
     deadline = time.monotonic() + timeout_s
-    return [u for u, f in futures.items() if _failed(f, max(0.0, deadline - time.monotonic()))]
+    failed = []
+    for url, future in futures.items():
+        why = _failure(url, future, max(0.0, deadline - time.monotonic()))
+        if why is None:
+            continue
+        failed.append(url)
+        if why not in _logged:
+            _logged.add(why)
+            log.warning("weight sync: %s; that engine is left out (logged once)", why)
+    return failed
 
 
-def _failed(future: Future, timeout_s: float) -> bool:
+def _failure(url: str, future: Future, timeout_s: float) -> str | None:
     try:
         future.result(timeout=timeout_s)
-    except (EngineError, FutureTimeout):
-        return True
-    return False
+    except EngineError as exc:
+        return str(exc)  # names the engine's URL and route
+    except FutureTimeout:
+        return f"{url}: no answer in time (weights_sync.timeout_s)"
+    return None
+
+
+_logged: set[str] = set()
 
 
 def drain(tensors: Iterable) -> None:

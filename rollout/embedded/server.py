@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 import uuid
 from typing import Any, Literal
@@ -128,9 +129,17 @@ def error(message: str, status: int = 400) -> JSONResponse:
 
 
 def result(success: bool, message: str, **extra: Any) -> JSONResponse:
+    if not success and message not in _refusals_logged:
+        # the caller gets the message, but the engine's own log is where its node's operator looks (a
+        # node whose model does not match the trainer's has every update refused, and otherwise only idles)
+        _refusals_logged.add(message)
+        print(f"tidal serve: refused: {message} (logged once)", file=sys.stderr, flush=True)
     return JSONResponse(
         {"success": success, "message": message, **extra}, status_code=200 if success else 400
     )
+
+
+_refusals_logged: set[str] = set()
 
 
 def create_app(engine: EmbeddedEngine, *, host: str = "", port: int = 0) -> FastAPI:

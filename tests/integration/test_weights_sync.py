@@ -228,7 +228,7 @@ def test_the_update_opens_while_the_first_tensors_are_gathered(receivers, checkp
 
 
 @pytest.mark.slow
-def test_engine_killed_mid_sync_is_dropped_and_the_sync_completes(receivers, checkpoint, tmp_path):
+def test_engine_killed_mid_sync_is_dropped_and_the_sync_completes(receivers, checkpoint, tmp_path, caplog):
     procs, urls = receivers
     config = WeightSyncConfig(bucket_bytes=32 << 10, timeout_s=8)
     sender = WeightSender(config, [EngineEndpoint(u) for u in urls])
@@ -247,6 +247,8 @@ def test_engine_killed_mid_sync_is_dropped_and_the_sync_completes(receivers, che
         assert report.ok, f"sync failed: {report}; engine log: {tail(Path(procs[0].args[0]))}"
         assert report.dropped == [urls[1]] and report.attempts == 2
         assert sender.engines == [urls[0]]
+        said = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+        assert said and all(urls[1] in m for m in said), said  # the log names the engine, and why
         got = _engine_tensors(urls[0], tmp_path / "survivor")
         assert all(torch.equal(got[n], t) for n, t in checkpoint.items())
         assert _stats(urls[0])["version"] == "9"
