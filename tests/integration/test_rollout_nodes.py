@@ -6,6 +6,7 @@ deterministic: node a fills batch 0, then takes a lease it never finishes (its e
 SIGKILLed; node b joins late and must deliver every remaining prompt, a's included.
 """
 
+import contextlib
 import os
 import signal
 import time
@@ -174,21 +175,11 @@ def test_a_prompt_no_engine_can_take_is_dropped_after_its_failures_and_the_run_g
     # longer than the tiny engine's context (rollout.engine.max_seq_len=32): every attempt is refused
     poison = {**rows[0], "prompt": "1+" * 30 + "1=", "reward_model": {"style": "rule", "ground_truth": "31"}}
     rows = [*rows[:3], poison, *rows[3:]]
-    broker, address = start_broker(
-        tmp_path / "broker",
-        rows=rows,
-        group_size=GROUP_SIZE,
-        batch_groups=7,
-        max_staleness=4,
-        max_group_failures=3,
-        data={"epochs": 1, "shuffle": False},
-    )
     logs = [tmp_path / "node-a.log", tmp_path / "broker" / "broker.log"]
-    node = None
-    consumer = BrokerClient(address, timeout_s=10.0)
-    try:
-        consumer.register("trainer", "test-consumer")
+    with one_epoch_job(tmp_path, rows, batch_groups=7, max_staleness=4, max_group_failures=3) as job:
+        address, consumer, nodes = job
         node = start_node(tmp_path, address, "a")
+        nodes.append(node)
         batch = wait_until(lambda: consumer.get_batch(-1, timeout_s=0.5), 120, "the batch of 7 groups", logs)
         assert sorted(g.meta["row"] for g in batch.groups) == [0, 1, 2, 4, 5, 6, 7]
         stats = wait_until(
@@ -199,11 +190,6 @@ def test_a_prompt_no_engine_can_take_is_dropped_after_its_failures_and_the_run_g
         broker_log = (tmp_path / "broker" / "broker.log").read_text()
         assert "group 0:3 dropped after 3 failed attempts" in broker_log
         assert "longer than the model's context length" in broker_log
-    finally:
-        if node is not None:
-            stop(node)
-        consumer.close()
-        stop(broker)
 
 
 @pytest.mark.slow
@@ -215,21 +201,11 @@ def test_a_node_whose_weights_the_broker_would_drop_waits_for_newer_ones(tmp_pat
     engines serve a version within max_staleness. Here the new version arrives through SGLang's
     /update_weight_version, as the trainer's sync names it."""
     rows, _ = make_records(digits=2, num_train=4, num_eval=2, seed=0)
-    broker, address = start_broker(
-        tmp_path / "broker",
-        rows=rows,
-        group_size=GROUP_SIZE,
-        batch_groups=4,
-        max_staleness=1,
-        data={"epochs": 1, "shuffle": False},
-    )
     logs = [tmp_path / "node-a.log", tmp_path / "broker" / "broker.log"]
-    node = None
-    consumer = BrokerClient(address, timeout_s=10.0)
-    try:
-        consumer.register("trainer", "test-consumer")
+    with one_epoch_job(tmp_path, rows, batch_groups=4, max_staleness=1) as job:
+        address, consumer, nodes = job
         consumer.publish_version(3)
-        node = start_node(tmp_path, address, "a")
+        nodes.append(start_node(tmp_path, address, "a"))
         wait_until(
             lambda: "waiting for the trainer's weights" in logs[0].read_text(), 60, "the node to wait", logs
         )
@@ -243,8 +219,26 @@ def test_a_node_whose_weights_the_broker_would_drop_waits_for_newer_ones(tmp_pat
         assert {int(g.min_version) for g in batch.groups} == {3}
         assert consumer.stats()["counters"]["dropped_stale_groups"] == 0
         assert "engines now serve weights of version 3; leasing again" in logs[0].read_text()
+
+
+@contextlib.contextmanager
+def one_epoch_job(tmp_path: Path, rows, **settings):
+    """A broker over ``rows`` (one epoch, in order) and a consumer registered as the trainer; yields
+    (address, consumer, nodes): the node processes the test appends are stopped at the end."""
+    broker, address = start_broker(
+        tmp_path / "broker",
+        rows=rows,
+        group_size=GROUP_SIZE,
+        data={"epochs": 1, "shuffle": False},
+        **settings,
+    )
+    consumer = BrokerClient(address, timeout_s=10.0)
+    nodes = []
+    try:
+        consumer.register("trainer", "test-consumer")
+        yield address, consumer, nodes
     finally:
-        if node is not None:
+        for node in nodes:
             stop(node)
         consumer.close()
         stop(broker)
