@@ -349,10 +349,34 @@ def main(config: RunConfig, args: list[str]) -> int:
 def _reached(report, urls: list[str]) -> str:
     """``3 engine(s)``, or ``2 of 3 engine(s), left out: URL`` when the sync had to leave engines out (the
     sender logs why, once per engine and reason)."""
-    if not report.dropped:
+    left_out = sorted(set(report.dropped) | {u for u in urls if report.engines and u not in report.engines})
+    if not left_out:
         return f"{len(urls)} engine(s)"
-    left_out = sorted(set(report.dropped))
     return f"{len(urls) - len(left_out)} of {len(urls)} engine(s), left out: {', '.join(left_out)}"
+
+
+class LeftOut:
+    """Engines a weight sync dropped (down, restarting, or refusing: another model). Each is tried again
+    after 1, 2, 4, ... steps (at most ``MAX_STEPS``): a restarted engine gets the weights at once, and one
+    that keeps refusing costs a failed attempt only now and then, not at every step."""
+
+    MAX_STEPS = 64
+
+    def __init__(self) -> None:
+        self.until: dict[str, int] = {}  # url -> the step from which it is tried again
+        self.wait: dict[str, int] = {}  # url -> the steps it waited last time
+
+    def filter(self, urls: list[str], step: int) -> list[str]:
+        return [u for u in urls if step >= self.until.get(u, 0)]
+
+    def update(self, report, step: int) -> None:
+        for url in set(report.dropped):
+            self.wait[url] = min(2 * self.wait.get(url, 0) or 1, self.MAX_STEPS)
+            self.until[url] = step + self.wait[url]
+        for url in report.engines:
+            if url not in report.dropped:
+                self.until.pop(url, None)
+                self.wait.pop(url, None)
 
 
 def _train_temperature(config: RunConfig) -> float:
@@ -368,6 +392,19 @@ class _WeightPush:
         self.config, self.trainer, self.feed = config, trainer, feed
         self.sync = None
         self.urls: list[str] = []
+        self.left_out = LeftOut()  # engines a sync dropped, tried again after a growing number of steps
+
+    def _listed(self, step: int) -> list[str]:
+        """The engines to sync now (rank 0 decides, every rank gets the same list): the broker's, less those
+        a recent sync left out. A dropped engine used to stay out until the broker's list changed: one
+        restarted on its URL never got weights again."""
+        if self.feed is None:
+            return _broadcast(None)
+        return _broadcast(self.left_out.filter(self.feed.engines(), step))
+
+    def _settled(self, report, step: int) -> None:
+        if self.trainer.rank == 0 and report is not None:
+            self.left_out.update(report, step)
 
     def _engines(self, urls: list[str]) -> None:
         """Point the sender at ``urls`` (a changed set rebuilds the group at the next sync)."""
@@ -380,8 +417,8 @@ class _WeightPush:
             self.sync = TrainerWeightSync(
                 self.config.weights_sync, self.config.model, self.trainer.state.chunks, engines
             )
-        elif urls != self.urls:
-            self.sync.set_engines(engines)
+        elif urls != self.urls or set(urls) != set(self.sync.engines):
+            self.sync.set_engines(engines)  # also adds back an engine a sync dropped (LeftOut says when)
         self.urls = urls
 
     def before_step(self) -> None:
@@ -393,7 +430,7 @@ class _WeightPush:
         """Sync if due; returns the seconds it took (None when there was nothing to sync)."""
         from tidal.trainer.optimizer import gather_full_weights
 
-        urls = _broadcast(self.feed.engines() if self.feed else [])
+        urls = self._listed(step)
         if not urls:
             return None
         self._engines(urls)
@@ -401,6 +438,7 @@ class _WeightPush:
         gather_full_weights(self.trainer.state.chunks)  # fsdp2: the sender reads full weights
         report = self.sync.after_step(step, step)
         seconds = time.perf_counter() - started
+        self._settled(report, step)
         if self.trainer.rank == 0 and report is not None:
             how = "replayed" if report.replayed else "announced"
             print(f"step {step}: weights to {_reached(report, urls)} in {seconds:.2f}s ({how})")
@@ -410,13 +448,14 @@ class _WeightPush:
         """Sync the current weights if the broker lists engines the last sync did not reach."""
         from tidal.trainer.optimizer import gather_full_weights
 
-        urls = _broadcast(self.feed.engines() if self.feed else [])
+        urls = self._listed(step)
         if not urls or urls == self.urls or (self.sync is None and step == 0):
             return  # at step 0 every engine holds the initial weights
         self._engines(urls)
         started = time.perf_counter()
         gather_full_weights(self.trainer.state.chunks)
         report = self.sync.sync(step)
+        self._settled(report, step)
         if self.trainer.rank == 0:
             print(
                 f"waiting for a batch: weights of step {step} to {_reached(report, urls)} (the set changed) "

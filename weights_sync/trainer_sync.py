@@ -70,6 +70,11 @@ class TrainerWeightSync:
         """Membership changed: the next sync rebuilds the group and sends everything to the new set."""
         self.sender.set_engines(engines)
 
+    @property
+    def engines(self) -> list[str]:
+        """The engines the next sync sends to (the set given, less those a sync dropped since)."""
+        return self.sender.engines
+
     def sync(self, version: int) -> SyncReport:
         self.times = GatherTimes()
         return self.sender.sync(
