@@ -349,7 +349,7 @@ def main(config: RunConfig, args: list[str]) -> int:
 def _reached(report, urls: list[str]) -> str:
     """``3 engine(s)``, or ``2 of 3 engine(s), left out: URL`` when the sync had to leave engines out (the
     sender logs why, once per engine and reason)."""
-    left_out = sorted(set(report.dropped) | {u for u in urls if report.engines and u not in report.engines})
+    left_out = sorted(set(urls) - set(report.engines))  # the engines the sync ended with
     if not left_out:
         return f"{len(urls)} engine(s)"
     return f"{len(urls) - len(left_out)} of {len(urls)} engine(s), left out: {', '.join(left_out)}"
@@ -373,10 +373,9 @@ class LeftOut:
         for url in set(report.dropped):
             self.wait[url] = min(2 * self.wait.get(url, 0) or 1, self.MAX_STEPS)
             self.until[url] = step + self.wait[url]
-        for url in report.engines:
-            if url not in report.dropped:
-                self.until.pop(url, None)
-                self.wait.pop(url, None)
+        for url in report.engines:  # those the sync reached
+            self.until.pop(url, None)
+            self.wait.pop(url, None)
 
 
 def _train_temperature(config: RunConfig) -> float:
