@@ -26,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from tidal.broker import protocol as proto
+from tidal.broker.batch_refs import journal_refs, memory_refs
 from tidal.broker.codec import lease_to_wire
 from tidal.broker.config import BrokerConfig
 from tidal.broker.curve import configure_server
@@ -482,7 +483,7 @@ class BrokerServer:
                 "groups": len(batch.group_ids),
             }
         }
-        refs = self.state.journal_refs(batch) if w.local else None
+        refs = journal_refs(self.state, batch) if w.local else None
         if refs is not None:
             # Where the frames lie in the journal (held until written, like every batch reply): the
             # client reads them there, so they do not cross loopback a second time.
@@ -498,7 +499,7 @@ class BrokerServer:
         if w.memory:
             # Where the frames lie in this process: the client copies them (local_memory) and the
             # journal's device only writes; the journal's refs above are its fallback.
-            body["batch"]["memory"] = {"pid": self.pid, **self.state.memory_refs(batch)}
+            body["batch"]["memory"] = {"pid": self.pid, **memory_refs(self.state, batch)}
         if refs is not None or w.memory:
             self._send(w.peer, w.rid, "ok", body, durable=True)
             return

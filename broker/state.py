@@ -26,7 +26,6 @@ from tidal.broker.config import BrokerConfig
 from tidal.broker.journal import Journal
 from tidal.broker.journal_packing import pack_group
 from tidal.broker.journal_records import Kind, record_crc, ref_payload
-from tidal.broker.local_memory import frame_address
 from tidal.broker.protocol import BAD_GROUP, BAD_REQUEST, LEASE_REJECTED, NOT_REGISTERED, ProtocolError
 from tidal.broker.source import PromptSource
 from tidal.broker.state_records import Counters, CutBatch, LeaseState, Node, StoredGroup
@@ -487,44 +486,6 @@ class BrokerState:
 
     def frames_of(self, batch: CutBatch) -> list[Any]:
         return [self.batch_store[g].frame for g in batch.group_ids]
-
-    def memory_refs(self, batch: CutBatch) -> dict[str, Any]:
-        """Where the batch's group frames lie in this process: ``refs`` [[address, length, crc]] (see
-        local_memory), and for frames in a node's shared ring also [..., ring, offset]: the ring's index in
-        ``rings`` ({fd, bytes, nonce}) and the frame's offset in its file, which a reader may map itself.
-        The frames stay held until the batch is reported consumed."""
-        refs: list[list[int]] = []
-        rings: list[dict[str, Any]] = []
-        index: dict[int, int] = {}
-        for g in batch.group_ids:
-            s = self.batch_store[g]
-            payload = s.frame.buffer if hasattr(s.frame, "buffer") else s.frame
-            if s.crc is None:  # journaled PACKED, replayed after a restart or restored by compaction
-                s.crc = record_crc(Kind.GROUP, payload)
-            ref = [frame_address(payload), len(payload), s.crc]
-            where = s.frame.ring_location() if hasattr(s.frame, "ring_location") else None
-            if where is not None:
-                ring, offset = where
-                if ring["fd"] not in index:
-                    index[ring["fd"]] = len(rings)
-                    rings.append(ring)
-                ref += [index[ring["fd"]], offset]
-            refs.append(ref)
-        return {"refs": refs, "rings": rings}
-
-    def journal_refs(self, batch: CutBatch) -> tuple[str, list[list[int]]] | None:
-        """Where the batch's group frames lie in the current journal file: (file id, [[offset, length]]),
-        or None when some lie elsewhere (replayed after a restart, or in a file compaction replaced)."""
-        j = self.journal
-        if j is None or j.file_id is None:
-            return None
-        refs = []
-        for g in batch.group_ids:
-            s = self.batch_store[g]
-            if s.loc is None or s.loc[0] != j.file_id:
-                return None
-            refs.append([s.loc[1], s.loc[2]])
-        return j.file_id, refs
 
     def report_consumed(self, batch_id: int) -> None:
         if batch_id >= self.next_batch_id:

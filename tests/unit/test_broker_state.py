@@ -6,6 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
+from tidal.broker.batch_refs import journal_refs
 from tidal.broker.codec import encode_group
 from tidal.broker.config import BrokerConfig
 from tidal.broker.journal import Journal
@@ -365,7 +366,7 @@ def test_accepted_groups_are_journaled_packed_and_replay_as_the_frames_that_came
     assert journal_stats["packed_groups"] == 2
     assert journal_stats["packed_bytes_saved"] == sum(len(f) for f in sent) - sum(len(p) for _, p in groups)
     batch = state.get_batch(-1, None)
-    file_id, refs = state.journal_refs(batch)
+    file_id, refs = journal_refs(state, batch)
     assert [n for _, n in refs] == [len(p) for _, p in groups]  # a local reader reads the packed records
     again = make_state(tmp_path, max_staleness=3)
     assert [bytes(again.batch_store[g].frame) for g in batch.group_ids] == [f.tobytes() for f in sent]
