@@ -53,6 +53,7 @@ LEASE_REJECTED = "lease_rejected"
 BAD_GROUP = "bad_group"  # group frame malformed or inconsistent with its lease (sample count, arrays)
 BAD_REQUEST = "bad_request"  # well-formed but not acceptable now (batch order, consumed batch, ...)
 NO_SUBMIT_MEMORY = "no_submit_memory"  # a submit named spans of a ring this node no longer has
+MODEL_MISMATCH = "model_mismatch"  # a rollout node serves another model than the trainer trains
 
 
 class ProtocolError(Exception):

@@ -29,6 +29,7 @@ class Node:
     told_finished: bool = False
     # The ring of memory shared with the broker for its submits (submit_memory.SubmitArena), if on its host.
     arena: Any = None
+    model: dict[str, str] | None = None  # the model it said it holds (broker/membership.py), if it said
 
 
 @dataclass
@@ -67,5 +68,6 @@ class Counters:
     released_groups: int = 0
     rejected_submissions: int = 0
     nodes_timed_out: int = 0
+    refused_nodes: int = 0  # rollout nodes serving another model than the trainer's (refused or let go)
     bad_frames: int = 0
     batches_cut: int = 0

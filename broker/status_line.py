@@ -33,6 +33,7 @@ def status_line(now: dict[str, Any], prev: dict[str, Any] | None, elapsed_s: flo
     c = now["counters"]
     batches = now["batches"]
     errors = sum(now.get("errors", {}).values())
+    refused = f"refused nodes {c['refused_nodes']} (another model), " if c.get("refused_nodes") else ""
     return (
         f"status: nodes alive {alive}; policy version {now['policy_version']}; "
         f"queue {now['queue_depth']} groups, in flight {now['in_flight_groups']}, "
@@ -41,6 +42,7 @@ def status_line(now: dict[str, Any], prev: dict[str, Any] | None, elapsed_s: flo
         f"batches cut {c['batches_cut']}, consumed through {batches['consumed']}; "
         f"dropped stale {c['dropped_stale_groups']}, filtered {c['filtered_groups']}, "
         f"failed {c.get('failed_groups', 0)}, "
+        f"{refused}"
         f"expired leases {c['expired_leases']}, rejected submissions {c['rejected_submissions']}, "
         f"bad frames {c['bad_frames']}, error replies {errors}; "
         f"epoch {now['cursor']['epoch']} at row {now['cursor']['pos']} of {now['cursor']['rows']}"

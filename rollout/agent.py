@@ -33,7 +33,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tidal.broker.client import AsyncBrokerClient, BrokerError, LeaseRejected
+from tidal.broker.protocol import MODEL_MISMATCH
 from tidal.broker.types import Group, PromptGroup, PromptRow, Sample
+from tidal.errors import CONFIG_ERROR_EXIT
 from tidal.rollout.config import RolloutConfig
 from tidal.rollout.engine_pool import EnginePool, EngineUnavailable
 from tidal.rollout.generation import PartialResponse, SampleFailed, generate, generate_group, parse_version
@@ -77,6 +79,7 @@ class RolloutAgent:
         name: str | None = None,
         group_size_hint: int = 8,
         group_failures_reported: int = 3,
+        model: dict[str, str] | None = None,
     ) -> None:
         self.config = config
         self.agent_cfg = config.agent
@@ -84,6 +87,7 @@ class RolloutAgent:
         self.pool = pool
         self.task = task
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
+        self.model = model  # the identity of the model its engines serve (tidal/model_identity.py), if known
         self.stats = AgentStats()
         self.policy_version = 0
         self.data_finished = False
@@ -140,6 +144,19 @@ class RolloutAgent:
         self.pool.draining = True
         self._changed.set()
 
+    def _refused(self, exc: BrokerError) -> bool:
+        """Whether the broker refuses this node for good (its engines serve another model than the trainer
+        trains, broker/membership.py); the node then stops at once with the configuration error's exit code,
+        which ``tidal run`` does not restart."""
+        if exc.code != MODEL_MISMATCH:
+            return False
+        if self.exit_code != CONFIG_ERROR_EXIT:
+            log.error("stopping: %s", exc)
+            self.exit_code = CONFIG_ERROR_EXIT
+            self.request_stop()
+            self._hurry.set()  # its leases went back to the queue: nothing it holds can be submitted
+        return True
+
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -164,8 +181,9 @@ class RolloutAgent:
             heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await heartbeat
-            with contextlib.suppress(BrokerError):
-                await self.client.leave()
+            if self.exit_code != CONFIG_ERROR_EXIT:  # a refused node is no member to leave
+                with contextlib.suppress(BrokerError):
+                    await self.client.leave()
             self._log_progress("stopped")
         return self.exit_code
 
@@ -176,6 +194,8 @@ class RolloutAgent:
             "host": socket.gethostname(),
             "pid": os.getpid(),
         }
+        if self.model is not None:
+            meta["model"] = self.model
         await self.client.register("rollout", self.name, meta, wait_s=self.agent_cfg.broker_wait_s)
         settings = self.client.registered
         drops = settings.get("staleness_policy") == "drop" and "max_staleness" in settings
@@ -233,7 +253,8 @@ class RolloutAgent:
             try:
                 hb = await self.client.heartbeat()
             except BrokerError as exc:  # the client registers again by itself after a broker restart
-                log.warning("heartbeat failed: %s", exc)
+                if not self._refused(exc):
+                    log.warning("heartbeat failed: %s", exc)
                 continue
             self.policy_version = int(hb.get("policy_version", self.policy_version))
             if hb.get("finished"):
@@ -258,7 +279,8 @@ class RolloutAgent:
             try:
                 lease = await self.client.lease(min(free, self.agent_cfg.max_groups_per_lease))
             except BrokerError as exc:
-                log.warning("lease failed: %s", exc)
+                if not self._refused(exc):
+                    log.warning("lease failed: %s", exc)
                 await self._wait_change(self.agent_cfg.lease_poll_s)
                 continue
             if lease is None:
@@ -335,7 +357,8 @@ class RolloutAgent:
             log.warning("group %s dropped: %s", pg.group_id, exc)
         except BrokerError as exc:
             self.stats.groups_failed += 1
-            log.error("submitting group %s failed: %s", pg.group_id, exc)
+            if not self._refused(exc):
+                log.error("submitting group %s failed: %s", pg.group_id, exc)
 
     def _group_failed(self, pg: PromptGroup, exc: Exception) -> None:
         self.stats.groups_failed += 1

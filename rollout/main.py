@@ -135,6 +135,28 @@ def build_pool(config, engine_urls: list[str], node_dir: Path) -> EnginePool:
     return EnginePool(slots, launch=engine_launcher(config, node_dir), **common)
 
 
+def served_model(config, engine_urls: list[str]) -> dict[str, str] | None:
+    """The identity of the model this node's engines serve (tidal/model_identity.py), which the broker
+    checks against the trainer's; None where the node cannot know it: engines it did not start, with no
+    ``model.path`` to say what they serve."""
+    from tidal.model_identity import model_identity
+
+    rollout = config.rollout
+    external = bool(engine_urls or rollout.engine_urls) or (
+        rollout.engine.type == "sglang" and rollout.engine.url is not None
+    )
+    if external and not config.model.path:
+        log.info(
+            "the engines' model is not checked against the trainer's: no model.path says what they serve"
+        )
+        return None
+    try:
+        return model_identity(config.model)
+    except ValueError as exc:  # a config.json tidal cannot read: the trainer could not train it either
+        log.warning("the engines' model is not checked against the trainer's: %s", exc)
+        return None
+
+
 def load_task(config):
     from tidal.rollout.tasks import build_task, task_files
     from tidal.rollout.tasks.char_tokenizer import save_char_tokenizer
@@ -182,6 +204,7 @@ async def run_node(config, broker: str, name: str, engine_urls: list[str]) -> in
             name=name,
             group_size_hint=config.broker.group_size,
             group_failures_reported=config.broker.max_group_failures,
+            model=served_model(config, engine_urls),
         )
         agent.install_signal_handlers()
         return await agent.run()
@@ -201,10 +224,16 @@ def main(config, args: list[str]) -> int:
     import uvloop
 
     from tidal.broker.client import BrokerError
+    from tidal.broker.protocol import MODEL_MISMATCH
     from tidal.rollout.engine_pool import EngineStartError
 
     try:
         return uvloop.run(run_node(config, ns.broker, ns.name, ns.engine))
-    except (BrokerError, EngineStartError) as exc:
+    except BrokerError as exc:
+        if exc.code == MODEL_MISMATCH:  # the same command would be refused again
+            raise ConfigError(str(exc)) from None
+        log.error("%s", exc)
+        return 1
+    except EngineStartError as exc:
         log.error("%s", exc)
         return 1

@@ -28,9 +28,14 @@ class StatsOptions:
 
 
 def node_lines(stats: dict[str, Any]) -> list[str]:
+    def model(n: dict[str, Any]) -> str:
+        named = (n.get("meta") or {}).get("model")
+        return f", {named['summary']}" if isinstance(named, dict) and "summary" in named else ""
+
     return [
         f"  {node_id}  {n['role']} {n['name']!r}  {'alive' if n['alive'] else 'gone'}, heard "
         f"{n['seen_s_ago']:.1f} s ago, {n['leases']} leases, {n['groups_in_flight']} groups in flight"
+        f"{model(n)}"
         for node_id, n in sorted(stats["nodes"].items())
     ]
 

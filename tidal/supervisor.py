@@ -13,9 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tidal.errors import CONFIG_ERROR_EXIT
 from tidal.procs import spawn, stop, tail
-
-CONFIG_ERROR_EXIT = 2
 
 
 @dataclass

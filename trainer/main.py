@@ -27,6 +27,7 @@ import torch.distributed as dist
 from tidal.broker.curve import client_keys
 from tidal.config import RunConfig
 from tidal.errors import ConfigError
+from tidal.model_identity import model_identity
 from tidal.trainer.flags import parse_flags
 from tidal.trainer.stop_request import StopRequest
 
@@ -57,14 +58,24 @@ def parse_options(args: list[str]) -> TrainOptions:
 class _BatchFeed:
     """Rank 0's broker connection: batches fetched one ahead in a thread; the rest on the main thread."""
 
-    def __init__(self, address: str, timeout_s: float, name: str, curve=None, broker_wait_s: float = 0.0):
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float,
+        name: str,
+        curve=None,
+        broker_wait_s: float = 0.0,
+        model: dict[str, str] | None = None,
+    ):
         from tidal.broker.client import BrokerClient
 
         self.address = address
         self.timeout_s = timeout_s
         self.fetcher = BrokerClient(address, curve=curve)
         self.control = BrokerClient(address, curve=curve)
-        self.control.register("trainer", name, wait_s=broker_wait_s)
+        # with the model's identity the broker turns away rollout nodes serving another (broker/membership.py)
+        meta = {"model": model} if model is not None else None
+        self.control.register("trainer", name, meta, wait_s=broker_wait_s)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
         self.pending: tuple[int, concurrent.futures.Future] | None = None
         self._engines: list[str] = []
@@ -222,6 +233,7 @@ def main(config: RunConfig, args: list[str]) -> int:
             f"trainer-{dist.get_world_size()}ranks",
             curve,
             tc.broker_wait_s,
+            model_identity(config.model),
         )
         if trainer.rank == 0
         else None

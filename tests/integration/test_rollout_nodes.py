@@ -18,6 +18,8 @@ import pytest
 
 from tidal.broker.client import BrokerClient
 from tidal.broker.testing import start_broker
+from tidal.cli import load_run_config
+from tidal.model_identity import model_identity
 from tidal.procs import kill_tree, python_cmd, spawn, stop, tail
 from tidal.rollout.tasks.arithmetic import make_records
 
@@ -25,6 +27,7 @@ GROUP_SIZE = 4
 BATCH_GROUPS = 4
 NUM_PROMPTS = 16
 MAX_NEW_TOKENS = 6
+TINY_MODEL = load_run_config("configs/tiny.yaml", []).model
 
 
 def child_pids(pid: int) -> list[int]:
@@ -48,10 +51,11 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def start_node(tmp_path: Path, address: str, name: str):
+def start_node(tmp_path: Path, address: str, name: str, *overrides: str):
     cmd = python_cmd(
         "rollout",
         "configs/tiny.yaml",
+        *overrides,
         f"run_dir={tmp_path / 'run'}",
         f"rollout.sampling.max_new_tokens={MAX_NEW_TOKENS}",
         "rollout.heartbeat_s=0.5",
@@ -221,8 +225,44 @@ def test_a_node_whose_weights_the_broker_would_drop_waits_for_newer_ones(tmp_pat
         assert "engines now serve weights of version 3; leasing again" in logs[0].read_text()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_nodes_serving_another_model_than_the_trainers_stop_with_a_config_error_and_lose_no_prompt(tmp_path):
+    """Their samples would be trained as the policy's (seen: a node started by hand with another config
+    joined and leased); their token ids could even lie beyond the trainer's vocabulary. One that joined
+    before the trainer leases nothing and is let go when the trainer registers, one that joins after is
+    refused."""
+    rows, _ = make_records(digits=2, num_train=4, num_eval=2, seed=0)
+    logs = [tmp_path / f"node-{n}.log" for n in ("early", "late")] + [tmp_path / "broker" / "broker.log"]
+    with one_epoch_job(tmp_path, rows, trainer_registers=False, batch_groups=4, max_staleness=1) as job:
+        address, consumer, nodes = job
+        early = start_node(tmp_path, address, "early", "model.hidden_size=64")
+        nodes.append(early)
+        wait_until(lambda: node_named(consumer.stats(), "early"), 120, "the early node to register", logs)
+        time.sleep(1.0)  # it leases nothing
+        assert consumer.stats()["cursor"]["pos"] == 0
+        consumer.register("trainer", "test-consumer", {"model": model_identity(TINY_MODEL)})
+        late = start_node(tmp_path, address, "late", "model.hidden_size=64")
+        nodes.append(late)
+        for node, log in zip((early, late), logs, strict=False):
+            assert wait_until(lambda n=node: n.poll(), 120, "the node to exit", logs) == 2, tail(log)
+            text = log.read_text()
+            assert (
+                "(model_mismatch): rollout node" in text
+                and "serves qwen3_moe (vocab 32, hidden 64, 2 layers" in text
+            )
+            assert "but the trainer trains qwen3_moe (vocab 32, hidden 128, 2 layers" in text
+        broker_log = logs[2].read_text()
+        assert "let go: rollout node 'early' serves" in broker_log
+        assert "refused: broker" not in broker_log and "refused: rollout node 'late' serves" in broker_log
+        # a node of the trainer's model takes every prompt, those the early one held included
+        nodes.append(start_node(tmp_path, address, "same"))
+        batch = wait_until(lambda: consumer.get_batch(-1, timeout_s=0.5), 120, "the batch", logs)
+        assert sorted(g.meta["row"] for g in batch.groups) == [0, 1, 2, 3]
+
+
 @contextlib.contextmanager
-def one_epoch_job(tmp_path: Path, rows, **settings):
+def one_epoch_job(tmp_path: Path, rows, trainer_registers: bool = True, **settings):
     """A broker over ``rows`` (one epoch, in order) and a consumer registered as the trainer; yields
     (address, consumer, nodes): the node processes the test appends are stopped at the end."""
     broker, address = start_broker(
@@ -235,7 +275,9 @@ def one_epoch_job(tmp_path: Path, rows, **settings):
     consumer = BrokerClient(address, timeout_s=10.0)
     nodes = []
     try:
-        consumer.register("trainer", "test-consumer")
+        # as the trainer does: with the identity of the model it trains, the one configs/tiny.yaml builds
+        if trainer_registers:
+            consumer.register("trainer", "test-consumer", {"model": model_identity(TINY_MODEL)})
         yield address, consumer, nodes
     finally:
         for node in nodes:

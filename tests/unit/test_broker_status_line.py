@@ -1,7 +1,10 @@
 """The broker's periodic status line, from two stats snapshots of a real BrokerState."""
 
+import pytest
+
 from tidal.broker.codec import encode_group
 from tidal.broker.config import BrokerConfig
+from tidal.broker.protocol import MODEL_MISMATCH, ProtocolError
 from tidal.broker.source import PromptSource, load_rows
 from tidal.broker.state import BrokerState
 from tidal.broker.status_line import status_line
@@ -31,3 +34,18 @@ def test_status_line_names_nodes_queue_batches_counts_and_the_rate_since_the_las
     # 2 groups of 2 samples in 2 s
     assert "accepted 2 groups (2 samples/s," in line and "batches cut 1, consumed through -1;" in line
     assert "dropped stale 0, filtered 0," in line and "epoch 0 at row 3 of 10" in line
+    assert "refused nodes" not in line  # named only once there are some
+
+
+def test_status_line_counts_nodes_refused_for_serving_another_model(tmp_path):
+    state = BrokerState(
+        BrokerConfig(group_size=2, batch_groups=2),
+        PromptSource(load_rows(write_rows(tmp_path / "d.jsonl", 4)), seed=0, shuffle=False, epochs=1),
+        None,
+    )
+    state.register(b"t", "trainer", "t", {"model": {"fingerprint": "a", "summary": "A"}}, T0)
+    with pytest.raises(ProtocolError) as refused:
+        state.register(b"n", "rollout", "n", {"model": {"fingerprint": "b", "summary": "B"}}, T0)
+    assert refused.value.code == MODEL_MISMATCH
+    line = status_line(state.stats(T0), None)
+    assert "failed 0, refused nodes 1 (another model), expired leases 0," in line

@@ -1,0 +1,43 @@
+"""Whether a rollout node may join: it must serve the model the trainer trains.
+
+Members say which model they hold in their register ``meta`` as ``model: {fingerprint, summary}``
+(``tidal/model_identity.py`` computes it from the architecture). The broker only compares fingerprints:
+the trainer's registration sets the run's model; a rollout node whose fingerprint differs is refused
+(``model_mismatch``), and nodes already registered with another one are let go when the trainer
+registers (their leases return to the queue; their next call registers again and is refused). A member
+that sends no ``model`` is not checked (older clients, benchmarks, engines a node does not know).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tidal.broker.protocol import BAD_REQUEST, ProtocolError
+
+
+def model_of(meta: dict[str, Any]) -> dict[str, str] | None:
+    """The ``model`` a register's meta names, checked; None when it names none."""
+    model = meta.get("model")
+    if model is None:
+        return None
+    if not (
+        isinstance(model, dict)
+        and isinstance(model.get("fingerprint"), str)
+        and isinstance(model.get("summary"), str)
+    ):
+        raise ProtocolError(
+            BAD_REQUEST,
+            f"register: meta.model must be a map of strings fingerprint and summary, got {model!r}",
+        )
+    return model
+
+
+def mismatch(name: str, model: dict[str, str] | None, trainer_model: dict[str, str] | None) -> str | None:
+    """Why rollout node ``name`` serving ``model`` may not feed the trainer's; None when it may."""
+    if model is None or trainer_model is None or model["fingerprint"] == trainer_model["fingerprint"]:
+        return None
+    return (
+        f"rollout node {name!r} serves {model['summary']} (fingerprint {model['fingerprint']}), but the trainer "
+        f"trains {trainer_model['summary']} (fingerprint {trainer_model['fingerprint']}); start the node with "
+        "the trainer's model (model.path, or the same model.* settings)"
+    )
