@@ -107,6 +107,7 @@ class RolloutAgent:
         # the broker's staleness bound where it drops what is beyond it (None: it keeps stale groups)
         self._stale_limit: int | None = None
         self.engine_version = 0  # the oldest policy version this node's engines serve, as last asked
+        self._comebacks_seen = 0  # the pool's engines back after a failure when engine_version was set
         self._waiting_for_weights = False
         self._waiting_since = self._wait_logged = 0.0
         self._base_sampling = {
@@ -208,10 +209,13 @@ class RolloutAgent:
         is more than ``max_staleness`` versions behind the trainer's (policy ``drop``), so engines that far
         behind (a node started mid-run, every process of a resumed run: they load the run's first weights)
         would only use up prompts. Such a node waits for the trainer's weight sync instead, asking its
-        engines' ``/model_info`` until their version is recent enough."""
+        engines' ``/model_info`` until their version is recent enough. An engine back after a failure
+        (restarted by the pool) is asked again: it serves the weights it started with."""
         limit = self._stale_limit
         if limit is None:
             return True
+        if self.pool.comebacks != self._comebacks_seen:  # a restarted engine serves its start-up weights
+            self._comebacks_seen, self.engine_version = self.pool.comebacks, 0
         if self.policy_version - self.engine_version > limit:
             versions = await self.pool.weight_versions()
             if versions:

@@ -82,6 +82,9 @@ class EnginePool:
         self._watch: asyncio.Task | None = None
         self.closed = False
         self.draining = False  # the node is stopping: an engine that fails now is not restarted
+        # engines back after a failure (restarted, or an external one answering again): each may serve the
+        # weights it loaded at start again, which the agent must ask about (RolloutAgent._weights_fresh)
+        self.comebacks = 0
 
     @property
     def urls(self) -> list[str]:
@@ -251,6 +254,7 @@ class EnginePool:
                     slot.process = self.launch(slot.index, slot.port)
                 try:
                     await self._wait_healthy(slot, self.start_timeout_s)
+                    self.comebacks += 1
                     log.info("engine %d at %s is back", slot.index, slot.url)
                     return
                 except EngineStartError as exc:
