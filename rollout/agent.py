@@ -165,7 +165,9 @@ class RolloutAgent:
 
     async def run(self) -> int:
         """Register, work until stopped or the data is exhausted, drain, leave. Returns an exit code."""
-        await self._register()
+        if not await self._register_unless_stopped():
+            log.info("stopped while waiting for the broker")
+            return self.exit_code
         log.info(
             "node %s (%s) registered with %d engine(s): %s; policy version %d",
             self.client.node_id,
@@ -187,6 +189,22 @@ class RolloutAgent:
                     await self.client.leave()
             self._log_progress("stopped")
         return self.exit_code
+
+    async def _register_unless_stopped(self) -> bool:
+        """Register (waiting up to ``broker_wait_s`` for a broker that does not answer yet); False when a
+        signal stopped the node first. Seen by hand: a node started after its broker had stopped ignored
+        SIGTERM for the whole wait (600 s)."""
+        register = asyncio.create_task(self._register())
+        stopped = asyncio.create_task(self.stop_requested.wait())
+        await asyncio.wait([register, stopped], return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not register.done():
+            register.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await register
+            return False
+        register.result()  # the broker's refusal, or the wait running out, is raised here
+        return True
 
     async def _register(self) -> None:
         meta = {

@@ -20,7 +20,7 @@ from tidal.broker.client import BrokerClient
 from tidal.broker.testing import start_broker
 from tidal.cli import load_run_config
 from tidal.model_identity import model_identity
-from tidal.procs import kill_tree, python_cmd, spawn, stop, tail
+from tidal.procs import free_port, kill_tree, python_cmd, spawn, stop, tail
 from tidal.rollout.tasks.arithmetic import make_records
 
 GROUP_SIZE = 4
@@ -259,6 +259,24 @@ def test_nodes_serving_another_model_than_the_trainers_stop_with_a_config_error_
         nodes.append(start_node(tmp_path, address, "same"))
         batch = wait_until(lambda: consumer.get_batch(-1, timeout_s=0.5), 120, "the batch", logs)
         assert sorted(g.meta["row"] for g in batch.groups) == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_node_waiting_for_a_broker_that_does_not_answer_stops_on_sigterm(tmp_path):
+    """Seen by hand: a node started after its job's broker had stopped went on waiting for it through a
+    SIGTERM (rollout.agent.broker_wait_s, 600 s); `timeout` and a supervisor's stop could not end it."""
+    log = tmp_path / "node-late.log"
+    node = start_node(tmp_path, f"tcp://127.0.0.1:{free_port()}", "late", "rollout.agent.broker_timeout_s=1")
+    try:
+        wait_until(lambda: "no reply from the broker" in log.read_text(), 90, "the node to wait", [log])
+        engines = child_pids(node.pid)
+        node.send_signal(signal.SIGTERM)
+        assert node.wait(15) == 0, tail(log)
+        assert "stopped while waiting for the broker" in log.read_text()
+        assert not [pid for pid in engines if alive(pid)]
+    finally:
+        kill_tree(node)
 
 
 @contextlib.contextmanager
