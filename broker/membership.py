@@ -10,6 +10,7 @@ that sends no ``model`` is not checked (older clients, benchmarks, engines a nod
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from tidal.broker.protocol import BAD_REQUEST, ProtocolError
@@ -41,3 +42,28 @@ def mismatch(name: str, model: dict[str, str] | None, trainer_model: dict[str, s
         f"trains {trainer_model['summary']} (fingerprint {trainer_model['fingerprint']}); start the node with "
         "the trainer's model (model.path, or the same model.* settings)"
     )
+
+
+@dataclass
+class RunModel:
+    """The model the trainer registered with, and whether any trainer registered since the journal began
+    (until then nodes that name their model lease nothing). Both are journaled by the broker's state: a
+    VERSION record with ``trainer_model`` when a trainer changes them, and the snapshot."""
+
+    model: dict[str, str] | None = None
+    known: bool = False
+
+    def trainer_registers(self, model: dict[str, str] | None) -> bool:
+        """A trainer's model becomes the run's; one registering without a model changes none (test
+        consumers, benchmarks), but it too lets nodes lease. Returns whether anything changed (to journal)."""
+        if self.known and (model is None or model == self.model):
+            return False
+        self.known = True
+        if model is not None:
+            self.model = model
+        return True
+
+    def load(self, d: dict[str, Any]) -> None:
+        """From a VERSION record or a snapshot; one written before the check existed leaves it unknown."""
+        if "trainer_model" in d:
+            self.known, self.model = d.get("trainer_known", True), d["trainer_model"]

@@ -275,12 +275,7 @@ class BrokerServer:
         meta = req.body.get("meta") or {}
         if not isinstance(meta, dict):
             raise proto.ProtocolError(proto.BAD_FRAME, "register: meta must be a map")
-        try:
-            node = self.state.register(peer, req.body["role"], req.body["name"], meta, time.time())
-        except proto.ProtocolError as exc:
-            if exc.code == proto.MODEL_MISMATCH:
-                log.warning("refused: %s", exc)
-            raise
+        node = self.state.register(peer, req.body["role"], req.body["name"], meta, time.time())
         log.info("node %s (%s %r) joined", node.node_id, node.role, node.name)
         offer = self._submit_memory(node, req.body.get("host"))
         self._ok(

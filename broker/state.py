@@ -26,7 +26,7 @@ from tidal.broker.config import BrokerConfig
 from tidal.broker.journal import Journal
 from tidal.broker.journal_packing import pack_group
 from tidal.broker.journal_records import Kind, record_crc, ref_payload
-from tidal.broker.membership import mismatch, model_of
+from tidal.broker.membership import RunModel, mismatch, model_of
 from tidal.broker.protocol import (
     BAD_GROUP,
     BAD_REQUEST,
@@ -71,10 +71,7 @@ class BrokerState:
         self.peers: dict[bytes, str] = {}
         self.streaming: dict[str, None] = {}  # node ids with a standing lease request (ordered set)
         self.version = 0
-        # The model the trainer registered with (broker/membership.py), and whether any trainer registered
-        # since the journal began (until then nodes that name their model lease nothing); both journaled.
-        self.trainer_model: dict[str, str] | None = None
-        self.trainer_known = False
+        self.run_model = RunModel()  # the model rollout nodes must serve (broker/membership.py)
         self.accepted_live = 0  # admission's "accepted": accepted and not dropped, since the run started
         self.buffer: dict[str, StoredGroup | None] = {}  # accepted, not yet in a batch (FIFO)
         self.batches: dict[int, CutBatch] = {}  # cut and not yet consumed
@@ -157,8 +154,7 @@ class BrokerState:
             self._forget_through(d["batch_id"])
         elif kind is Kind.VERSION:
             self.version = d["version"]
-            if "trainer_model" in d:  # written when a trainer registered
-                self.trainer_known, self.trainer_model = True, d["trainer_model"]
+            self.run_model.load(d)  # the trainer's model, where a trainer's registration wrote it
         elif kind is Kind.SNAPSHOT:
             self._load_snapshot(d)
 
@@ -167,33 +163,25 @@ class BrokerState:
         if role not in ("rollout", "trainer"):
             raise ProtocolError(BAD_REQUEST, f"register: role must be 'rollout' or 'trainer', got {role!r}")
         model = model_of(meta)
-        if role == "rollout" and (why := mismatch(name, model, self.trainer_model)):
+        if role == "rollout" and (why := mismatch(name, model, self.run_model.model)):
+            log.warning("refused: %s", why)
             self.counters.refused_nodes += 1
             raise ProtocolError(MODEL_MISMATCH, why)
         old = self.peers.get(peer)
         if old is not None:
             self.leave(self.nodes[old])
-        if role == "trainer":
-            self._trainer_registers(model)
+        if role == "trainer" and self.run_model.trainer_registers(model):
+            self._let_go_other_models()
+            trainer_model = self.run_model.model
+            self._log(Kind.VERSION, _pack({"version": self.version, "trainer_model": trainer_model}))
         node = Node(f"{role}-{uuid.uuid4().hex[:8]}", role, name, meta, peer, now, now, model=model)
         self.nodes[node.node_id] = node
         self.peers[peer] = node.node_id
         return node
 
-    def _trainer_registers(self, model: dict[str, str] | None) -> None:
-        """A trainer's model becomes the run's; one registering without a model changes none (test consumers,
-        benchmarks), but it too lets nodes lease."""
-        if self.trainer_known and (model is None or model == self.trainer_model):
-            return
-        self.trainer_known = True
-        if model is not None:
-            self.trainer_model = model
-            self._let_go_other_models(model)
-        self._log(Kind.VERSION, _pack({"version": self.version, "trainer_model": self.trainer_model}))
-
-    def _let_go_other_models(self, trainer_model: dict[str, str]) -> None:
+    def _let_go_other_models(self) -> None:
         for node in list(self.nodes.values()):
-            if node.role == "rollout" and (why := mismatch(node.name, node.model, trainer_model)):
+            if node.role == "rollout" and (why := mismatch(node.name, node.model, self.run_model.model)):
                 log.warning("node %s let go: %s", node.node_id, why)
                 self.counters.refused_nodes += 1
                 self.leave(node)
@@ -243,7 +231,7 @@ class BrokerState:
     def lease(self, node: Node, max_groups: int, now: float) -> Lease | None:
         if max_groups < 1:
             raise ProtocolError(BAD_REQUEST, f"lease: max_groups must be >= 1, got {max_groups}")
-        if node.model is not None and not self.trainer_known:
+        if node.model is not None and not self.run_model.known:
             return None  # its model is checked against the trainer's, which has not registered yet
         k = min(max_groups, self.capacity())
         if k <= 0:
@@ -595,8 +583,8 @@ class BrokerState:
             "buffer": list(self.buffer),
             "counters": c.__dict__,
             "histogram": dict(self.histogram),
-            "trainer_known": self.trainer_known,
-            "trainer_model": self.trainer_model,
+            "trainer_known": self.run_model.known,
+            "trainer_model": self.run_model.model,
         }
         yield Kind.SNAPSHOT, _pack(snap)
         for s in (*self.buffer.values(), *self.batch_store.values()):
@@ -618,8 +606,8 @@ class BrokerState:
         self.buffer = dict.fromkeys(d["buffer"])
         self.counters = Counters(**d["counters"])
         self.histogram = Counter({int(k): v for k, v in d["histogram"].items()})
-        self.trainer_known = d.get("trainer_known", False)  # absent in a snapshot of an earlier tidal
-        self.trainer_model = d.get("trainer_model")
+        self.run_model = RunModel()
+        self.run_model.load(d)
 
     # ------------------------------------------------------------------- stats
     def stats(self, now: float | None = None) -> dict[str, Any]:

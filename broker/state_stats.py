@@ -85,7 +85,7 @@ def state_stats(state: BrokerState, now: float) -> dict[str, Any]:
         },
         "nodes_alive": sum(n.alive for n in state.nodes.values()),
         # the model rollout nodes must serve (broker/membership.py); None: no trainer named one yet
-        "trainer_model": state.trainer_model,
+        "trainer_model": state.run_model.model,
         "journal": {
             "path": str(journal.path) if journal else None,
             "bytes": journal.bytes_written if journal else 0,

@@ -135,17 +135,13 @@ def build_pool(config, engine_urls: list[str], node_dir: Path) -> EnginePool:
     return EnginePool(slots, launch=engine_launcher(config, node_dir), **common)
 
 
-def served_model(config, engine_urls: list[str]) -> dict[str, str] | None:
+def served_model(config, pool: EnginePool) -> dict[str, str] | None:
     """The identity of the model this node's engines serve (tidal/model_identity.py), which the broker
-    checks against the trainer's; None where the node cannot know it: engines it did not start, with no
-    ``model.path`` to say what they serve."""
+    checks against the trainer's; None where the node cannot know it: engines it did not start (a pool
+    without a launcher), with no ``model.path`` to say what they serve."""
     from tidal.model_identity import model_identity
 
-    rollout = config.rollout
-    external = bool(engine_urls or rollout.engine_urls) or (
-        rollout.engine.type == "sglang" and rollout.engine.url is not None
-    )
-    if external and not config.model.path:
+    if pool.launch is None and not config.model.path:
         log.info(
             "the engines' model is not checked against the trainer's: no model.path says what they serve"
         )
@@ -204,7 +200,7 @@ async def run_node(config, broker: str, name: str, engine_urls: list[str]) -> in
             name=name,
             group_size_hint=config.broker.group_size,
             group_failures_reported=config.broker.max_group_failures,
-            model=served_model(config, engine_urls),
+            model=served_model(config, pool),
         )
         agent.install_signal_handlers()
         return await agent.run()
