@@ -25,7 +25,7 @@ from tidal.broker.codec import inspect_group
 from tidal.broker.config import BrokerConfig
 from tidal.broker.journal import Journal
 from tidal.broker.journal_packing import pack_group
-from tidal.broker.journal_records import Kind, record_crc, ref_payload
+from tidal.broker.journal_records import Kind, record_crc
 from tidal.broker.membership import RunModel, mismatch, model_of
 from tidal.broker.protocol import (
     BAD_GROUP,
@@ -37,6 +37,7 @@ from tidal.broker.protocol import (
 )
 from tidal.broker.source import PromptSource
 from tidal.broker.state_records import Counters, CutBatch, LeaseState, Node, StoredGroup
+from tidal.broker.state_snapshot import load_snapshot, snapshot_records
 from tidal.broker.state_stats import ThroughputWindow, state_stats
 from tidal.broker.types import Lease, PromptGroup
 
@@ -156,7 +157,7 @@ class BrokerState:
             self.version = d["version"]
             self.run_model.load(d)  # the trainer's model, where a trainer's registration wrote it
         elif kind is Kind.SNAPSHOT:
-            self._load_snapshot(d)
+            load_snapshot(self, d)
 
     # ------------------------------------------------------------- membership
     def register(self, peer: bytes, role: str, name: str, meta: dict[str, Any], now: float) -> Node:
@@ -560,7 +561,7 @@ class BrokerState:
         dead = j.bytes_written - live
         if dead < jc.compact_every_bytes or dead < jc.compact_dead_per_live * live:
             return False
-        offsets = j.compact(self._snapshot_records())
+        offsets = j.compact(snapshot_records(self))
         # The snapshot first, then per kept group a REF to where it lies (it stays there) or, for a group
         # whose place is unknown, a RESTORE that copies it into the new file.
         kept = [*self.buffer.values(), *self.batch_store.values()]
@@ -568,46 +569,6 @@ class BrokerState:
             if s.loc is None:
                 s.loc = (j.file_id, offset, len(s.frame))
         return True
-
-    def _snapshot_records(self):
-        c = self.counters
-        snap = {
-            "cursor": [self.source.epoch, self.source.pos],
-            "source": self.source.identity,
-            "outstanding": list(self.outstanding),
-            "accepted_live": self.accepted_live,
-            "version": self.version,
-            "consumed": self.consumed,
-            "next_batch_id": self.next_batch_id,
-            "batches": [[b.batch_id, b.group_ids, b.policy_version] for b in self.batches.values()],
-            "buffer": list(self.buffer),
-            "counters": c.__dict__,
-            "histogram": dict(self.histogram),
-            "trainer_known": self.run_model.known,
-            "trainer_model": self.run_model.model,
-        }
-        yield Kind.SNAPSHOT, _pack(snap)
-        for s in (*self.buffer.values(), *self.batch_store.values()):
-            if s.loc is not None:
-                yield Kind.REF, ref_payload(*s.loc)
-            else:
-                yield Kind.RESTORE, s.frame.buffer if hasattr(s.frame, "buffer") else s.frame
-
-    def _load_snapshot(self, d: dict[str, Any]) -> None:
-        self.journaled_source = d.get("source")  # None in a snapshot of an earlier tidal
-        self.source.seek(*d["cursor"])
-        self.outstanding = dict.fromkeys(d["outstanding"])
-        self.accepted_live = d["accepted_live"]
-        self.version = d["version"]
-        self.consumed = d["consumed"]
-        self.next_batch_id = d["next_batch_id"]
-        self.batches = {b: CutBatch(b, ids, v) for b, ids, v in d["batches"]}
-        self.batch_store = {g: None for b in self.batches.values() for g in b.group_ids}
-        self.buffer = dict.fromkeys(d["buffer"])
-        self.counters = Counters(**d["counters"])
-        self.histogram = Counter({int(k): v for k, v in d["histogram"].items()})
-        self.run_model = RunModel()
-        self.run_model.load(d)
 
     # ------------------------------------------------------------------- stats
     def stats(self, now: float | None = None) -> dict[str, Any]:
