@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tidal.config import RunConfig
 from tidal.configio import build, dump_config
-from tidal.errors import ConfigError
+from tidal.errors import CONFIG_ERROR_EXIT, NO_BATCH_EXIT, ConfigError
 from tidal.procs import free_port, port_in_use, python_cmd, wait_for_tcp
 from tidal.run_identity import check_run_dir
 from tidal.run_plan import RunPlan, plan_run
@@ -232,7 +232,7 @@ def torchrun_cmd(nproc: int, master_port: int, *cli_args: str) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "tidal.torchrun",  # torchrun passing on its workers' exit codes (tidal/torchrun.py)
         f"--nproc-per-node={nproc}",
         "--nnodes=1",
         f"--master-port={master_port}",
@@ -350,6 +350,7 @@ def main(config: RunConfig, args: list[str]) -> int:
         return 130
     except ProcessDied as exc:
         print(f"\ntidal run: {exc}", file=sys.stderr)
+        print(f"tidal run: once that is fixed, resume with: tidal run --resume {rd.root}", file=sys.stderr)
         return 1
     finally:
         stop_job(sup)
@@ -486,6 +487,8 @@ def run_grpo(
         restart=True,
         max_restarts=3,
         expect_exit=True,
+        # starved of batches for trainer.batch_timeout_s: restarted, it would only wait as long again
+        final_exit_codes=(CONFIG_ERROR_EXIT, NO_BATCH_EXIT),
     )
     t0 = time.time()
     sup.start(trainer)

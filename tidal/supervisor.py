@@ -28,6 +28,8 @@ class ProcessSpec:
     # a process that finishes on its own and whose exit 0 is success, not restarted: the trainer, and a rollout
     # node once the broker has no more prompts
     expect_exit: bool = False
+    # exit codes after which a restart would fail the same way: the job stops with the process's log instead
+    final_exit_codes: tuple[int, ...] = (CONFIG_ERROR_EXIT,)
 
 
 @dataclass
@@ -80,8 +82,8 @@ class Supervisor:
                 self.on_event(f"{name} finished")
                 finished.append(name)
                 continue
-            # exit code 2 is tidal's configuration error (tidal/cli.py): the same command would fail again
-            if state.spec.restart and code != CONFIG_ERROR_EXIT and state.restarts < state.spec.max_restarts:
+            final = code in state.spec.final_exit_codes
+            if state.spec.restart and not final and state.restarts < state.spec.max_restarts:
                 state.restarts += 1
                 self.on_event(
                     f"{name} died with exit code {code}; restarting ({state.restarts}/{state.spec.max_restarts})"

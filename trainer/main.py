@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from tidal.broker.curve import client_keys
 from tidal.config import RunConfig
-from tidal.errors import ConfigError
+from tidal.errors import NO_BATCH_EXIT, ConfigError
 from tidal.model_identity import model_identity
 from tidal.trainer.flags import parse_flags
 from tidal.trainer.stop_request import StopRequest
@@ -158,7 +158,9 @@ CATCH_UP_POLL_S = 2.0
 STOPPING_BROKER_TIMEOUT_S = 3.0
 # not 0: a supervisor that did not ask for the stop restarts the trainer, which resumes from the checkpoint
 STOPPED_EXIT_CODE = 143
-NO_BATCH_EXIT_CODE = 1  # trainer.batch_timeout_s passed without a batch: a failure, not a finished run
+NO_BATCH_EXIT_CODE = (
+    NO_BATCH_EXIT  # trainer.batch_timeout_s passed without a batch: not restarted by `tidal run`
+)
 
 
 STOP = object()  # what _next_batch returns when a signal asked the trainer to stop (trainer/stop_request.py)

@@ -41,7 +41,7 @@ def _trainer_worker_pid(run_dir: Path) -> int | None:
             continue
         args = [a.decode(errors="replace") for a in argv]
         is_train = "tidal.cli" in args and "train" in args and any(str(run_dir) in a for a in args)
-        if is_train and not any("torch.distributed.run" in a for a in args):
+        if is_train and "tidal.torchrun" not in args:  # not the launcher (tidal/torchrun.py)
             return int(entry.name)
     return None
 

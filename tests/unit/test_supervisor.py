@@ -1,5 +1,5 @@
 """`tidal run`'s supervisor. Restarts: a process allowed them is started again, except after exit code 2
-(a configuration error: the same command fails again). Stop: SIGTERM to each process in order, its own
+(a configuration error: the same command fails again) or another of its spec's final exit codes. Stop: SIGTERM to each process in order, its own
 wait before SIGKILL (the trainer saves a checkpoint first), and an interrupt while waiting (a second
 Ctrl-C) kills it and the rest at once."""
 
@@ -55,9 +55,13 @@ def test_an_interrupt_while_waiting_kills_that_process_and_the_rest_at_once(tmp_
     assert events[-2:] == ["stopping rollout0", "stopping broker"]
 
 
-def _exits(tmp_path, sup, name, code):
+def _exits(tmp_path, sup, name, code, **spec_fields):
     spec = ProcessSpec(
-        name, [sys.executable, "-c", f"raise SystemExit({code})"], tmp_path / f"{name}.log", restart=True
+        name,
+        [sys.executable, "-c", f"raise SystemExit({code})"],
+        tmp_path / f"{name}.log",
+        restart=True,
+        **spec_fields,
     )
     state = sup.start(spec)
     state.proc.wait()
@@ -76,6 +80,21 @@ def test_a_crash_is_restarted_and_a_configuration_error_is_not(tmp_path):
     with pytest.raises(ProcessDied, match=r"broker died with exit code 2\. Last lines of"):
         sup.poll()
     assert sup.states["broker"].restarts == 0
+
+
+def test_a_process_that_names_its_final_exit_codes_is_not_restarted_after_them(tmp_path):
+    """The trainer's exit 3 (no batch within trainer.batch_timeout_s) used to be restarted three times, each
+    restart waiting the whole timeout again before the job failed."""
+    sup = Supervisor()
+    final = (2, 3)
+    _exits(tmp_path, sup, "trainer", 3, final_exit_codes=final)
+    with pytest.raises(ProcessDied, match=r"trainer died with exit code 3\. Last lines of"):
+        sup.poll()
+    assert sup.states["trainer"].restarts == 0
+    crashed = _exits(tmp_path, sup, "trainer", 1, final_exit_codes=final)
+    sup.poll()
+    assert crashed.restarts == 1
+    sup.stop_all(timeout_s=5)
 
 
 def test_a_process_that_finishes_on_its_own_is_not_restarted_and_its_crash_is(tmp_path):
