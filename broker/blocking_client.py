@@ -4,6 +4,7 @@ for rollout node agents is in broker/client.py, from where both are imported."""
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from typing import Any
 
@@ -28,6 +29,9 @@ from tidal.broker.codec import encode_group
 from tidal.broker.curve import CurveClientKeys
 from tidal.broker.types import Batch, Group, Lease
 
+log = logging.getLogger("tidal.broker.client")
+OTHER_TRAINER_RETRY_S = 1.0
+
 
 class BrokerClient:
     """Blocking client for one thread (the trainer). Replies to calls that timed out are skipped."""
@@ -45,6 +49,7 @@ class BrokerClient:
         self.address = address
         self.timeout_s = timeout_s
         self.node_id: str | None = None
+        self.joined: dict[str, Any] = {}  # the broker's reply to register: its settings (node_timeout_s, ...)
         self._local = _LocalFrames(read_journal, read_memory)
         self._ctx = zmq.Context()
         self._sock = dealer_socket(self._ctx, address, curve)
@@ -136,9 +141,12 @@ class BrokerClient:
 
     def register(self, role: str, name: str, meta: dict | None = None, wait_s: float = 0.0) -> str:
         """Join the broker. With ``wait_s``, a broker that does not answer yet (not started, restarting) is
-        asked again every ``timeout_s``, logged each time, until ``wait_s`` has passed."""
+        asked again every ``timeout_s``, logged each time, until ``wait_s`` has passed; so is one that has
+        another trainer alive (``another_trainer``: a trainer restarted after a crash waits for its dead
+        predecessor to be forgotten), every ``OTHER_TRAINER_RETRY_S``, logged every 30 s."""
         self._registration = {"role": role, "name": name, "meta": meta or {}}
         deadline = time.monotonic() + wait_s
+        logged = 0.0
         while True:
             try:
                 body, _ = self._call("register", self._registration)
@@ -147,11 +155,20 @@ class BrokerClient:
                 if time.monotonic() >= deadline:
                     raise
                 log_broker_wait(self.address, wait_s, deadline)
-        self.node_id = body["node_id"]
+            except BrokerError as exc:
+                if exc.code != proto.ANOTHER_TRAINER or time.monotonic() >= deadline:
+                    raise
+                if time.monotonic() - logged >= 30.0:
+                    logged = time.monotonic()
+                    log.warning("%s; asking again (giving up in %.0f s)", exc, deadline - logged)
+                time.sleep(min(OTHER_TRAINER_RETRY_S, max(0.0, deadline - time.monotonic())))
+        self.node_id, self.joined = body["node_id"], body
         return self.node_id
 
-    def heartbeat(self) -> dict:
-        return self._call("heartbeat", {})[0]
+    def heartbeat(self, timeout_s: float | None = None) -> dict:
+        """Keeps this member alive (and its leases); ``timeout_s`` bounds the wait for the reply instead of
+        the client's ``timeout_s``."""
+        return self._call("heartbeat", {}, timeout=self.timeout_s if timeout_s is None else timeout_s)[0]
 
     def lease(self, max_groups: int) -> Lease | None:
         return lease_from_reply(self._call("lease", {"max_groups": max_groups})[0])

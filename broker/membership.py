@@ -6,6 +6,11 @@ the trainer's registration sets the run's model; a rollout node whose fingerprin
 (``model_mismatch``), and nodes already registered with another one are let go when the trainer
 registers (their leases return to the queue; their next call registers again and is refused). A member
 that sends no ``model`` is not checked (older clients, benchmarks, engines a node does not know).
+
+One trainer at a time: a second trainer would be dispensed the same batches and publish versions of its
+own. A trainer registering while another is alive (seen within ``node_timeout_s``; the trainer's feed
+heartbeats) is refused with ``another_trainer``; the client waits for the other to leave or to be
+forgotten, which is what a trainer restarted after a crash needs (its dead predecessor never left).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tidal.broker.protocol import BAD_REQUEST, ProtocolError
+from tidal.broker.state_records import Node
 
 
 def model_of(meta: dict[str, Any]) -> dict[str, str] | None:
@@ -41,6 +47,24 @@ def mismatch(name: str, model: dict[str, str] | None, trainer_model: dict[str, s
         f"rollout node {name!r} serves {model['summary']} (fingerprint {model['fingerprint']}), but the trainer "
         f"trains {trainer_model['summary']} (fingerprint {trainer_model['fingerprint']}); start the node with "
         "the trainer's model (model.path, or the same model.* settings)"
+    )
+
+
+def live_trainer(nodes: list[Node], now: float, node_timeout_s: float) -> Node | None:
+    """A trainer among ``nodes`` that is alive: seen within ``node_timeout_s``."""
+    for node in nodes:
+        if node.role == "trainer" and node.alive and now - node.last_seen <= node_timeout_s:
+            return node
+    return None
+
+
+def second_trainer(name: str, other: Node, now: float, node_timeout_s: float) -> str:
+    """Why trainer ``name`` may not register while ``other`` is alive."""
+    return (
+        f"trainer {name!r} cannot join: trainer {other.name!r} ({other.node_id}) is registered and was last "
+        f"seen {now - other.last_seen:.1f}s ago; two trainers would be dispensed the same batches. Stop it "
+        f"first; one that died without leaving is forgotten {node_timeout_s:g}s after it was last seen "
+        "(broker.node_timeout_s)"
     )
 
 

@@ -54,6 +54,7 @@ BAD_GROUP = "bad_group"  # group frame malformed or inconsistent with its lease 
 BAD_REQUEST = "bad_request"  # well-formed but not acceptable now (batch order, consumed batch, ...)
 NO_SUBMIT_MEMORY = "no_submit_memory"  # a submit named spans of a ring this node no longer has
 MODEL_MISMATCH = "model_mismatch"  # a rollout node serves another model than the trainer trains
+ANOTHER_TRAINER = "another_trainer"  # a trainer registers while another one is alive
 
 
 class ProtocolError(Exception):

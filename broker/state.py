@@ -26,8 +26,9 @@ from tidal.broker.config import BrokerConfig
 from tidal.broker.journal import Journal
 from tidal.broker.journal_packing import pack_group
 from tidal.broker.journal_records import Kind, record_crc
-from tidal.broker.membership import RunModel, mismatch, model_of
+from tidal.broker.membership import RunModel, live_trainer, mismatch, model_of, second_trainer
 from tidal.broker.protocol import (
+    ANOTHER_TRAINER,
     BAD_GROUP,
     BAD_REQUEST,
     LEASE_REJECTED,
@@ -169,6 +170,18 @@ class BrokerState:
             self.counters.refused_nodes += 1
             raise ProtocolError(MODEL_MISMATCH, why)
         old = self.peers.get(peer)
+        if role == "trainer":
+            others = [n for n in self.nodes.values() if n.role == "trainer" and n.peer != peer]
+            if other := live_trainer(others, now, self.cfg.node_timeout_s):
+                why = second_trainer(name, other, now, self.cfg.node_timeout_s)
+                log.warning("refused: %s", why)
+                self.counters.refused_trainers += 1
+                raise ProtocolError(ANOTHER_TRAINER, why)
+            for dead in others:  # forgotten: should it come back, it registers again and is refused
+                log.info(
+                    "trainer %s (%r) forgotten: trainer %r takes its place", dead.node_id, dead.name, name
+                )
+                self.leave(dead)
         if old is not None:
             self.leave(self.nodes[old])
         if role == "trainer" and self.run_model.trainer_registers(model):

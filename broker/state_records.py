@@ -69,5 +69,6 @@ class Counters:
     rejected_submissions: int = 0
     nodes_timed_out: int = 0
     refused_nodes: int = 0  # rollout nodes serving another model than the trainer's (refused or let go)
+    refused_trainers: int = 0  # trainer registrations refused while another trainer was alive
     bad_frames: int = 0
     batches_cut: int = 0

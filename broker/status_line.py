@@ -34,6 +34,8 @@ def status_line(now: dict[str, Any], prev: dict[str, Any] | None, elapsed_s: flo
     batches = now["batches"]
     errors = sum(now.get("errors", {}).values())
     refused = f"refused nodes {c['refused_nodes']} (another model), " if c.get("refused_nodes") else ""
+    if c.get("refused_trainers"):
+        refused += f"refused trainers {c['refused_trainers']} (another alive), "
     return (
         f"status: nodes alive {alive}; policy version {now['policy_version']}; "
         f"queue {now['queue_depth']} groups, in flight {now['in_flight_groups']}, "

@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +77,9 @@ class _BatchFeed:
         # with the model's identity the broker turns away rollout nodes serving another (broker/membership.py)
         meta = {"model": model} if model is not None else None
         self.control.register("trainer", name, meta, wait_s=broker_wait_s)
+        # the control connection is used by the main thread and the heartbeat's
+        self._control_lock = threading.Lock()
+        self._heartbeat = _Heartbeat(self, self.control.joined.get("node_timeout_s", 30.0) / 3)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
         self.pending: tuple[int, concurrent.futures.Future] | None = None
         self._engines: list[str] = []
@@ -143,15 +147,46 @@ class _BatchFeed:
             # signals every process at once) the broker may be gone, and each call would wait it out
             self.control.timeout_s = min(self.control.timeout_s, STOPPING_BROKER_TIMEOUT_S)
         try:
-            return call(*args)
+            with self._control_lock:
+                return call(*args)
         except BrokerTimeout as exc:
             log.warning("%s; going on (the broker may be restarting; the next call covers this one)", exc)
             return None
 
     def close(self) -> None:
+        self._heartbeat.stop()
+        # leaving lets a restarted trainer register at once instead of waiting for this one to be forgotten
+        self.control.timeout_s = min(self.control.timeout_s, STOPPING_BROKER_TIMEOUT_S)
+        self._tolerant(self.control.leave)
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.fetcher.close()
         self.control.close()
+
+
+class _Heartbeat:
+    """Heartbeats on the feed's control connection every ``interval_s``: a step longer than the broker's
+    ``node_timeout_s`` otherwise left the trainer dead in its stats, and let a second trainer register
+    (broker/membership.py). Broker timeouts are the feed's to report; here they are only skipped."""
+
+    def __init__(self, feed: _BatchFeed, interval_s: float):
+        self.feed, self.interval_s = feed, interval_s
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tidal-trainer-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from tidal.broker.client import BrokerError
+
+        while not self._stopped.wait(self.interval_s):
+            try:
+                with self.feed._control_lock:  # a short wait: a stopping trainer's calls queue behind it
+                    self.feed.control.heartbeat(timeout_s=STOPPING_BROKER_TIMEOUT_S)
+            except BrokerError as exc:
+                log.debug("heartbeat: %s", exc)
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=STOPPING_BROKER_TIMEOUT_S + 1)
 
 
 CATCH_UP_POLL_S = 2.0

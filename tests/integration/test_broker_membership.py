@@ -1,12 +1,16 @@
-"""A real broker on loopback turns away rollout nodes serving another model than the trainer's."""
+"""A real broker on loopback turns away rollout nodes serving another model than the trainer's, and a
+second trainer while the first is alive."""
 
 import signal
+import threading
+import time
 
 import pytest
 
 from tidal.broker.client import BrokerClient, BrokerError
 from tidal.broker.testing import start_broker
 from tidal.procs import free_port, kill_tree, stop
+from tidal.trainer.main import _BatchFeed
 
 pytestmark = pytest.mark.slow
 
@@ -43,6 +47,7 @@ def test_nodes_of_another_model_are_refused_or_let_go_and_their_prompts_go_to_th
             clients["late"].register("rollout", "late", {"model": OTHER})
         held = sorted(g.group_id for g in clients["same"].lease(2).groups)
         # a trainer started again on another model lets go of the nodes of the old one, leases and all
+        clients["trainer"].leave()  # one trainer at a time (the next test)
         clients["retrained"].register("trainer", "t2", {"model": OTHER})
         stats = clients["trainer"].stats()
         assert (stats["in_flight_groups"], stats["requeued"], stats["counters"]["refused_nodes"]) == (0, 2, 4)
@@ -71,4 +76,58 @@ def test_a_malformed_model_in_a_registration_gets_an_error_naming_it(tmp_path):
         client.register("rollout", "n", {"model": TRAINED})  # and the broker goes on serving
     finally:
         client.close()
+        stop(proc)
+
+
+def test_a_second_trainer_is_refused_while_the_first_is_alive_and_joins_once_it_left_or_was_forgotten(
+    tmp_path,
+):
+    proc, address = start_broker(tmp_path, 8, group_size=2, batch_groups=2, node_timeout_s=2.0)
+    first, second, third, look = (BrokerClient(address, timeout_s=10) for _ in range(4))
+    try:
+        first.register("trainer", "t1")
+        with pytest.raises(BrokerError) as refused:
+            second.register("trainer", "t2")
+        assert refused.value.code == "another_trainer"
+        assert "trainer 't2' cannot join: trainer 't1' (trainer-" in str(refused.value)
+        assert "forgotten 2s after it was last seen (broker.node_timeout_s)" in str(refused.value)
+        first.register("trainer", "t1")  # the same connection registering again replaces itself
+        first.leave()
+        second.register("trainer", "t2")  # at once, once the first left
+
+        # a trainer that dies without leaving (SIGKILL) holds its place until it is forgotten: one started
+        # after it waits for that, asking again
+        started = time.monotonic()
+        waiting = threading.Thread(target=third.register, args=("trainer", "t3", None, 30.0))
+        waiting.start()
+        waiting.join(timeout=30)
+        waited = time.monotonic() - started
+        assert not waiting.is_alive() and third.node_id is not None
+        assert 1.0 < waited < 10, waited  # ~2 s of node_timeout_s after t2 was last seen
+        stats = look.stats()
+        trainers = [n for n in stats["nodes"].values() if n["role"] == "trainer" and n["alive"]]
+        assert [n["name"] for n in trainers] == ["t3"]
+        assert stats["counters"]["refused_trainers"] >= 2
+    finally:
+        for client in (first, second, third, look):
+            client.close()
+        stop(proc)
+
+
+def test_the_trainers_feed_heartbeats_through_a_long_step_and_leaves_when_it_closes(tmp_path):
+    """The feed's heartbeat thread keeps the trainer alive while a step outlasts node_timeout_s (before,
+    it was dead in the stats, and a second trainer could have joined); its close leaves."""
+    proc, address = start_broker(tmp_path, 8, group_size=2, batch_groups=2, node_timeout_s=1.5)
+    feed = _BatchFeed(address, timeout_s=5.0, name="long-steps")
+    other = BrokerClient(address, timeout_s=10)
+    try:
+        time.sleep(4.0)  # a step without a call to the broker
+        trainers = [n for n in other.stats()["nodes"].values() if n["role"] == "trainer"]
+        assert [(n["name"], n["alive"]) for n in trainers] == [("long-steps", True)]
+        with pytest.raises(BrokerError, match="another_trainer"):
+            other.register("trainer", "second")
+        feed.close()
+        other.register("trainer", "second")
+    finally:
+        other.close()
         stop(proc)

@@ -20,6 +20,11 @@ from tidal.trainer.stop_request import StopRequest
 pytestmark = pytest.mark.slow
 
 
+def _policy_version(feed: _BatchFeed) -> int:
+    with feed._control_lock:  # the connection is shared with the feed's heartbeat thread
+        return feed.control.policy_version()
+
+
 def test_unanswered_reports_are_let_go_and_the_next_reach_the_restarted_broker(tmp_path, caplog):
     port = free_port()
     proc, address = start_broker(tmp_path, 16, port=port)
@@ -27,7 +32,7 @@ def test_unanswered_reports_are_let_go_and_the_next_reach_the_restarted_broker(t
     try:
         feed.control.timeout_s = 1.0
         feed.publish_version(1)
-        assert feed.control.policy_version() == 1
+        assert _policy_version(feed) == 1
         kill_tree(proc, signal.SIGKILL)
         proc.wait(10)
         feed.publish_version(2)  # no broker: a warning, not an exception
@@ -36,7 +41,7 @@ def test_unanswered_reports_are_let_go_and_the_next_reach_the_restarted_broker(t
         assert sum("going on" in r.getMessage() for r in caplog.records) == 3
         proc, _ = start_broker(tmp_path, 16, port=port)
         feed.publish_version(3)
-        assert feed.control.policy_version() == 3
+        assert _policy_version(feed) == 3
 
         # a stop asked for (SIGTERM): the calls left get a short timeout, the broker may be gone with the job
         feed.control.timeout_s = 30.0

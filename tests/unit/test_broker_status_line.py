@@ -4,7 +4,7 @@ import pytest
 
 from tidal.broker.codec import encode_group
 from tidal.broker.config import BrokerConfig
-from tidal.broker.protocol import MODEL_MISMATCH, ProtocolError
+from tidal.broker.protocol import ANOTHER_TRAINER, MODEL_MISMATCH, ProtocolError
 from tidal.broker.source import PromptSource, load_rows
 from tidal.broker.state import BrokerState
 from tidal.broker.status_line import status_line
@@ -49,3 +49,21 @@ def test_status_line_counts_nodes_refused_for_serving_another_model(tmp_path):
     assert refused.value.code == MODEL_MISMATCH
     line = status_line(state.stats(T0), None)
     assert "failed 0, refused nodes 1 (another model), expired leases 0," in line
+
+
+def test_status_line_counts_trainers_refused_while_another_was_alive(tmp_path):
+    state = BrokerState(
+        BrokerConfig(group_size=2, batch_groups=2, node_timeout_s=30.0),
+        PromptSource(load_rows(write_rows(tmp_path / "d.jsonl", 4)), seed=0, shuffle=False, epochs=1),
+        None,
+    )
+    state.register(b"t", "trainer", "t", {}, T0)
+    assert "refused trainers" not in status_line(state.stats(T0), None)
+    with pytest.raises(ProtocolError) as refused:
+        state.register(b"u", "trainer", "u", {}, T0 + 29.0)
+    assert refused.value.code == ANOTHER_TRAINER
+    assert "failed 0, refused trainers 1 (another alive), expired leases 0," in status_line(
+        state.stats(T0), None
+    )
+    state.register(b"u", "trainer", "u", {}, T0 + 31.0)  # the first is forgotten 30 s after it was seen
+    assert [n.name for n in state.nodes.values()] == ["u"]
