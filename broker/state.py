@@ -74,6 +74,7 @@ class BrokerState:
         self.streaming: dict[str, None] = {}  # node ids with a standing lease request (ordered set)
         self.version = 0
         self.run_model = RunModel()  # the model rollout nodes must serve (broker/membership.py)
+        self._trainer_refusal_logged = float("-inf")  # when a second trainer's refusal was last logged
         self.accepted_live = 0  # admission's "accepted": accepted and not dropped, since the run started
         self.buffer: dict[str, StoredGroup | None] = {}  # accepted, not yet in a batch (FIFO)
         self.batches: dict[int, CutBatch] = {}  # cut and not yet consumed
@@ -174,7 +175,10 @@ class BrokerState:
             others = [n for n in self.nodes.values() if n.role == "trainer" and n.peer != peer]
             if other := live_trainer(others, now, self.cfg.node_timeout_s):
                 why = second_trainer(name, other, now, self.cfg.node_timeout_s)
-                log.warning("refused: %s", why)
+                # a waiting trainer asks every second: its refusal is logged every 30 s
+                if now - self._trainer_refusal_logged >= 30.0:
+                    self._trainer_refusal_logged = now
+                    log.warning("refused: %s (logged every 30 s while it asks again)", why)
                 self.counters.refused_trainers += 1
                 raise ProtocolError(ANOTHER_TRAINER, why)
             for dead in others:  # forgotten: should it come back, it registers again and is refused

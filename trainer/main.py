@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
+import socket
 import sys
 import threading
 import time
@@ -267,7 +269,8 @@ def main(config: RunConfig, args: list[str]) -> int:
         _BatchFeed(
             opts.broker or config.broker.bind,
             tc.batch_timeout_s,
-            f"trainer-{dist.get_world_size()}ranks",
+            # host and pid tell two trainers apart in the broker's messages (one trainer at a time)
+            f"trainer-{dist.get_world_size()}ranks@{socket.gethostname()}:{os.getpid()}",
             curve,
             tc.broker_wait_s,
             model_identity(config.model),
