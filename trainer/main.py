@@ -156,10 +156,16 @@ class _BatchFeed:
             return None
 
     def close(self) -> None:
+        from tidal.broker.client import BrokerError
+
         self._heartbeat.stop()
         # leaving lets a restarted trainer register at once instead of waiting for this one to be forgotten
         self.control.timeout_s = min(self.control.timeout_s, STOPPING_BROKER_TIMEOUT_S)
-        self._tolerant(self.control.leave)
+        try:
+            with self._control_lock:
+                self.control.leave()
+        except BrokerError as exc:  # gone, or restarting: it forgets this trainer after node_timeout_s
+            log.info("leaving the broker: %s", exc)
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.fetcher.close()
         self.control.close()
@@ -195,9 +201,6 @@ CATCH_UP_POLL_S = 2.0
 STOPPING_BROKER_TIMEOUT_S = 3.0
 # not 0: a supervisor that did not ask for the stop restarts the trainer, which resumes from the checkpoint
 STOPPED_EXIT_CODE = 143
-NO_BATCH_EXIT_CODE = (
-    NO_BATCH_EXIT  # trainer.batch_timeout_s passed without a batch: not restarted by `tidal run`
-)
 
 
 STOP = object()  # what _next_batch returns when a signal asked the trainer to stop (trainer/stop_request.py)
@@ -385,7 +388,7 @@ def main(config: RunConfig, args: list[str]) -> int:
                     file=sys.stderr,
                     flush=True,
                 )
-            return NO_BATCH_EXIT_CODE
+            return NO_BATCH_EXIT  # not restarted by `tidal run`: the job is starving the trainer
         trainer.export_hf(export, tokenizer_from=opts.init)
         return 0
     finally:
