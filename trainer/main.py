@@ -112,6 +112,24 @@ class _BatchFeed:
     def report_consumed(self, batch_id: int) -> None:
         self._tolerant(self.control.report_consumed, batch_id)
 
+    def check_resumes_after(self, last_batch_id: int, out: Path) -> None:
+        """A trainer that would ask for a batch the broker's run has trained through already (a new or
+        wrong ``--out``: no checkpoint, or an older one) fails naming why, before the broker refuses its
+        first fetch with a bare ``bad_request``."""
+        stats = self._tolerant(self.control.stats)
+        consumed = stats["batches"]["consumed"] if stats is not None else -1
+        if last_batch_id < consumed:
+            where = (
+                f"its checkpoint in {out} ends at batch {last_batch_id}"
+                if last_batch_id >= 0
+                else (f"it has no checkpoint in {out}")
+            )
+            raise ConfigError(
+                f"tidal train: the broker's run has trained through batch {consumed} (reported by a trainer's "
+                f"checkpoint), but {where}; start it with that run's checkpoint directory (--out, by default "
+                "<run_dir>/train), or give a new run its own broker journal"
+            )
+
     def why_no_batch(self) -> tuple[str, str]:
         """Why ``get`` gave None: ``("exhausted", ...)`` when no group will ever come again, else
         ``("timeout", ...)``, each with a line saying what the broker holds."""
@@ -288,6 +306,7 @@ def main(config: RunConfig, args: list[str]) -> int:
         feed.stop = stop
     try:
         if feed is not None:
+            feed.check_resumes_after(progress.last_batch_id, out)
             feed.publish_version(progress.step)
         last_saved = progress.step
         last_wall = time.perf_counter()

@@ -48,11 +48,13 @@ def _feed(address: str, curve: CurveClientKeys, stop_event: threading.Event) -> 
             )
 
 
-def _train_cmd(tmp: Path, address: str, steps: int, keys: dict[str, Path]) -> list[str]:
+def _train_cmd(
+    tmp: Path, address: str, steps: int, keys: dict[str, Path], out: Path | None = None
+) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "tidal.torchrun",  # as `tidal run` launches it: the trainer's own exit code comes through
         "--nproc-per-node=2",
         f"--master-port={free_port()}",
         "-m",
@@ -74,12 +76,14 @@ def _train_cmd(tmp: Path, address: str, steps: int, keys: dict[str, Path]) -> li
         f"trainer.curve_secret_key_file={keys['trainer_secret']}",
         f"trainer.curve_server_key_file={keys['broker']}",
         "--out",
-        str(tmp / "train"),
+        str(out or tmp / "train"),
     ]
 
 
-def _train(tmp: Path, address: str, steps: int, keys: dict[str, Path]) -> subprocess.CompletedProcess:
-    cmd = _train_cmd(tmp, address, steps, keys)
+def _train(
+    tmp: Path, address: str, steps: int, keys: dict[str, Path], out: Path | None = None
+) -> subprocess.CompletedProcess:
+    cmd = _train_cmd(tmp, address, steps, keys, out)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=400, start_new_session=True)
 
 
@@ -135,6 +139,13 @@ def test_train_pulls_batches_checkpoints_resumes_and_ends_with_the_data(tmp_path
         second.stderr
     )
     version = _policy_version(address, keys)
+    # a trainer with no checkpoint (another --out) on this run would ask for batch 0, trained long ago
+    stray = _train(tmp_path, address, steps=8, keys=keys, out=tmp_path / "elsewhere")
+    assert stray.returncode == 2, stray.stdout[-3000:] + stray.stderr[-5000:]
+    assert (
+        f"the broker's run has trained through batch 2 (reported by a trainer's checkpoint), but it has no "
+        f"checkpoint in {tmp_path / 'elsewhere'}"
+    ) in stray.stderr
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     # two minibatches per batch: two optimizer steps (two policy versions) per broker batch
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
@@ -171,7 +182,8 @@ def test_sigterm_stops_at_a_batch_boundary_with_a_checkpoint_that_a_restart_cont
     finally:
         kill_tree(proc)
     err = log.read_text()
-    assert proc.returncode != 0, "a stopped trainer does not exit as finished"  # a supervisor restarts it
+    # not 0, a finished run: a supervisor restarts it (tidal.torchrun passes the trainer's own code on)
+    assert proc.returncode == 143, err[-5000:]
     done = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert f"stopped by SIGTERM after step {done[-1]}" in err, err[-5000:]
     latest = json.loads((tmp_path / "train" / "checkpoints" / "latest").read_text())
