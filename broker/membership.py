@@ -50,12 +50,9 @@ def mismatch(name: str, model: dict[str, str] | None, trainer_model: dict[str, s
     )
 
 
-def live_trainer(nodes: list[Node], now: float, node_timeout_s: float) -> Node | None:
-    """A trainer among ``nodes`` that is alive: seen within ``node_timeout_s``."""
-    for node in nodes:
-        if node.role == "trainer" and node.alive and now - node.last_seen <= node_timeout_s:
-            return node
-    return None
+def live_trainer(trainers: list[Node], now: float, node_timeout_s: float) -> Node | None:
+    """One of ``trainers`` that is alive: seen within ``node_timeout_s``."""
+    return next((t for t in trainers if now - t.last_seen <= node_timeout_s), None)
 
 
 def second_trainer(name: str, other: Node, now: float, node_timeout_s: float) -> str:

@@ -81,7 +81,8 @@ class _BatchFeed:
         self.control.register("trainer", name, meta, wait_s=broker_wait_s)
         # the control connection is used by the main thread and the heartbeat's
         self._control_lock = threading.Lock()
-        self._heartbeat = _Heartbeat(self, self.control.joined.get("node_timeout_s", 30.0) / 3)
+        interval_s = self.control.joined.get("node_timeout_s", 30.0) / 3
+        self._heartbeat = _Heartbeat(self.control, self._control_lock, interval_s)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
         self.pending: tuple[int, concurrent.futures.Future] | None = None
         self._engines: list[str] = []
@@ -119,11 +120,9 @@ class _BatchFeed:
         stats = self._tolerant(self.control.stats)
         consumed = stats["batches"]["consumed"] if stats is not None else -1
         if last_batch_id < consumed:
-            where = (
-                f"its checkpoint in {out} ends at batch {last_batch_id}"
-                if last_batch_id >= 0
-                else (f"it has no checkpoint in {out}")
-            )
+            where = f"it has no checkpoint in {out}"
+            if last_batch_id >= 0:
+                where = f"its checkpoint in {out} ends at batch {last_batch_id}"
             raise ConfigError(
                 f"tidal train: the broker's run has trained through batch {consumed} (reported by a trainer's "
                 f"checkpoint), but {where}; start it with that run's checkpoint directory (--out, by default "
@@ -194,8 +193,8 @@ class _Heartbeat:
     ``node_timeout_s`` otherwise left the trainer dead in its stats, and let a second trainer register
     (broker/membership.py). Broker timeouts are the feed's to report; here they are only skipped."""
 
-    def __init__(self, feed: _BatchFeed, interval_s: float):
-        self.feed, self.interval_s = feed, interval_s
+    def __init__(self, client, lock: threading.Lock, interval_s: float):
+        self.client, self.lock, self.interval_s = client, lock, interval_s
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tidal-trainer-heartbeat", daemon=True)
         self._thread.start()
@@ -205,8 +204,8 @@ class _Heartbeat:
 
         while not self._stopped.wait(self.interval_s):
             try:
-                with self.feed._control_lock:  # a short wait: a stopping trainer's calls queue behind it
-                    self.feed.control.heartbeat(timeout_s=STOPPING_BROKER_TIMEOUT_S)
+                with self.lock:  # a short wait: a stopping trainer's calls queue behind it
+                    self.client.heartbeat(timeout_s=STOPPING_BROKER_TIMEOUT_S)
             except BrokerError as exc:
                 log.debug("heartbeat: %s", exc)
 

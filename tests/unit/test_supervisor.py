@@ -1,7 +1,7 @@
 """`tidal run`'s supervisor. Restarts: a process allowed them is started again, except after exit code 2
-(a configuration error: the same command fails again) or another of its spec's final exit codes. Stop: SIGTERM to each process in order, its own
-wait before SIGKILL (the trainer saves a checkpoint first), and an interrupt while waiting (a second
-Ctrl-C) kills it and the rest at once."""
+(a configuration error: the same command fails again) or another of its spec's final exit codes. Stop:
+SIGTERM to each process in order, its own wait before SIGKILL (the trainer saves a checkpoint first), and
+an interrupt while waiting (a second Ctrl-C) kills it and the rest at once."""
 
 import signal
 import subprocess
