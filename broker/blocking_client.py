@@ -27,6 +27,7 @@ from tidal.broker.client_common import (
 from tidal.broker.client_support import _BufferPool, _LocalFrames, _Unacked, send_copies
 from tidal.broker.codec import encode_group
 from tidal.broker.curve import CurveClientKeys
+from tidal.broker.process_identity import is_gone
 from tidal.broker.types import Batch, Group, Lease
 
 log = logging.getLogger("tidal.broker.client")
@@ -143,13 +144,19 @@ class BrokerClient:
         """Join the broker. With ``wait_s``, a broker that does not answer yet (not started, restarting) is
         asked again every ``timeout_s``, logged each time, until ``wait_s`` has passed; so is one that has
         another trainer alive (``another_trainer``: a trainer restarted after a crash waits for its dead
-        predecessor to be forgotten), every ``OTHER_TRAINER_RETRY_S``, logged every 30 s."""
+        predecessor to be forgotten), every ``OTHER_TRAINER_RETRY_S``, logged every 30 s. A trainer whose
+        ``meta.process`` says where it runs does not wait for a predecessor on its host whose process is
+        gone: it takes its place (``_gone_trainer``)."""
         self._registration = {"role": role, "name": name, "meta": meta or {}}
         deadline = time.monotonic() + wait_s
         logged = 0.0
+        replaces = None
         while True:
             try:
-                body, _ = self._call("register", self._registration)
+                request = (
+                    self._registration if replaces is None else {**self._registration, "replaces": replaces}
+                )
+                body, _ = self._call("register", request)
                 break
             except BrokerTimeout:
                 if time.monotonic() >= deadline:
@@ -158,12 +165,37 @@ class BrokerClient:
             except BrokerError as exc:
                 if exc.code != proto.ANOTHER_TRAINER or time.monotonic() >= deadline:
                     raise
+                if replaces is None and (replaces := self._gone_trainer()) is not None:
+                    continue
                 if time.monotonic() - logged >= 30.0:
                     logged = time.monotonic()
                     log.warning("%s; asking again (giving up in %.0f s)", exc, deadline - logged)
                 time.sleep(min(OTHER_TRAINER_RETRY_S, max(0.0, deadline - time.monotonic())))
         self.node_id, self.joined = body["node_id"], body
         return self.node_id
+
+    def _gone_trainer(self) -> str | None:
+        """The node id of a registered trainer whose process ran on this host and is gone (a trainer
+        restarted after a crash finds its predecessor so), for ``register`` to replace; None when there is
+        none or this registration does not say where it runs."""
+        if self._registration["meta"].get("process") is None:
+            return None
+        nodes = self._call("stats", {})[0]["nodes"]
+        gone = sorted(
+            (n["seen_s_ago"], node_id, n["name"], n["meta"]["process"]["pid"])
+            for node_id, n in nodes.items()
+            if n["role"] == "trainer" and is_gone(n["meta"].get("process"))
+        )
+        if not gone:
+            return None
+        _, node_id, name, pid = gone[0]
+        log.warning(
+            "trainer %r (%s) is registered, but its process %s on this host is gone: taking its place",
+            name,
+            node_id,
+            pid,
+        )
+        return node_id
 
     def heartbeat(self, timeout_s: float | None = None) -> dict:
         """Keeps this member alive (and its leases); ``timeout_s`` bounds the wait for the reply instead of

@@ -10,16 +10,22 @@ that sends no ``model`` is not checked (older clients, benchmarks, engines a nod
 One trainer at a time: a second trainer would be dispensed the same batches and publish versions of its
 own. A trainer registering while another is alive (seen within ``node_timeout_s``; the trainer's feed
 heartbeats) is refused with ``another_trainer``; the client waits for the other to leave or to be
-forgotten, which is what a trainer restarted after a crash needs (its dead predecessor never left).
+forgotten, which is what a trainer restarted after a crash needs (its dead predecessor never left). A
+trainer on the predecessor's host and in its PID namespace need not wait: its client checks that the
+predecessor's process (``meta.process``, broker/process_identity.py) is gone and registers again with
+``replaces`` naming it; the broker lets it take the place.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from tidal.broker.protocol import BAD_REQUEST, ProtocolError
 from tidal.broker.state_records import Node
+
+log = logging.getLogger("tidal.broker")
 
 
 def model_of(meta: dict[str, Any]) -> dict[str, str] | None:
@@ -63,6 +69,35 @@ def second_trainer(name: str, other: Node, now: float, node_timeout_s: float) ->
         f"first; one that died without leaving is forgotten {node_timeout_s:g}s after it was last seen "
         "(broker.node_timeout_s)"
     )
+
+
+def takes_over(name: str, meta: dict[str, Any], other: Node, replaces: Any) -> bool:
+    """Whether trainer ``name`` may take live-seeming ``other``'s place: it says it ``replaces`` it, having
+    found its process gone, and it runs where it could check that (the same host and PID namespace)."""
+    if replaces is None:
+        return False
+    theirs, ours = other.meta.get("process"), meta.get("process")
+    same_place = (
+        isinstance(theirs, dict)
+        and isinstance(ours, dict)
+        and all(theirs.get(k) == ours.get(k) for k in ("host", "pid_ns"))
+    )
+    if replaces != other.node_id or not same_place:
+        why = (
+            f"the live trainer is {other.node_id} ({other.name!r})"
+            if replaces != other.node_id
+            else f"it does not run where {other.name!r} ran (host and PID namespace), so it cannot know"
+        )
+        log.warning("trainer %r says it replaces %r, but %s: refused", name, replaces, why)
+        return False
+    log.info(
+        "trainer %r takes the place of %s (%r): its process %s on this host is gone",
+        name,
+        other.node_id,
+        other.name,
+        theirs.get("pid"),
+    )
+    return True
 
 
 @dataclass

@@ -275,7 +275,12 @@ class BrokerServer:
         meta = req.body.get("meta") or {}
         if not isinstance(meta, dict):
             raise proto.ProtocolError(proto.BAD_FRAME, "register: meta must be a map")
-        node = self.state.register(peer, req.body["role"], req.body["name"], meta, time.time())
+        replaces = req.body.get("replaces")
+        if replaces is not None and not isinstance(replaces, str):
+            raise proto.ProtocolError(
+                proto.BAD_FRAME, f"register: replaces must be a node id string, got {replaces!r}"
+            )
+        node = self.state.register(peer, req.body["role"], req.body["name"], meta, time.time(), replaces)
         log.info("node %s (%s %r) joined", node.node_id, node.role, node.name)
         offer = self._submit_memory(node, req.body.get("host"))
         self._ok(

@@ -26,7 +26,7 @@ from tidal.broker.config import BrokerConfig
 from tidal.broker.journal import Journal
 from tidal.broker.journal_packing import pack_group
 from tidal.broker.journal_records import Kind, record_crc
-from tidal.broker.membership import RunModel, live_trainer, mismatch, model_of, second_trainer
+from tidal.broker.membership import RunModel, live_trainer, mismatch, model_of, second_trainer, takes_over
 from tidal.broker.protocol import (
     ANOTHER_TRAINER,
     BAD_GROUP,
@@ -162,7 +162,9 @@ class BrokerState:
             load_snapshot(self, d)
 
     # ------------------------------------------------------------- membership
-    def register(self, peer: bytes, role: str, name: str, meta: dict[str, Any], now: float) -> Node:
+    def register(
+        self, peer: bytes, role: str, name: str, meta: dict[str, Any], now: float, replaces: str | None = None
+    ) -> Node:
         if role not in ("rollout", "trainer"):
             raise ProtocolError(BAD_REQUEST, f"register: role must be 'rollout' or 'trainer', got {role!r}")
         model = model_of(meta)
@@ -173,7 +175,11 @@ class BrokerState:
         old = self.peers.get(peer)
         if role == "trainer":
             others = [n for n in self.nodes.values() if n.role == "trainer" and n.peer != peer]
-            if other := live_trainer(others, now, self.cfg.node_timeout_s):
+            other = live_trainer(others, now, self.cfg.node_timeout_s)
+            if other is not None and takes_over(name, meta, other, replaces):
+                self.counters.trainer_takeovers += 1
+                other = None
+            if other is not None:
                 why = second_trainer(name, other, now, self.cfg.node_timeout_s)
                 # a waiting trainer asks every second: its refusal is logged every 30 s
                 if now - self._trainer_refusal_logged >= 30.0:

@@ -70,5 +70,6 @@ class Counters:
     nodes_timed_out: int = 0
     refused_nodes: int = 0  # rollout nodes serving another model than the trainer's (refused or let go)
     refused_trainers: int = 0  # trainer registrations refused while another trainer was alive
+    trainer_takeovers: int = 0  # trainers that took the place of one whose process was gone
     bad_frames: int = 0
     batches_cut: int = 0

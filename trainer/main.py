@@ -28,6 +28,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from tidal.broker.curve import client_keys
+from tidal.broker.process_identity import this_process
 from tidal.config import RunConfig
 from tidal.errors import NO_BATCH_EXIT, ConfigError
 from tidal.model_identity import model_identity
@@ -76,8 +77,11 @@ class _BatchFeed:
         self.timeout_s = timeout_s
         self.fetcher = BrokerClient(address, curve=curve)
         self.control = BrokerClient(address, curve=curve)
-        # with the model's identity the broker turns away rollout nodes serving another (broker/membership.py)
-        meta = {"model": model} if model is not None else None
+        # with the model's identity the broker turns away rollout nodes serving another (broker/membership.py);
+        # with the process's, a trainer restarted here after a crash need not wait for this one to be forgotten
+        meta = {"process": this_process()}
+        if model is not None:
+            meta["model"] = model
         self.control.register("trainer", name, meta, wait_s=broker_wait_s)
         # the control connection is used by the main thread and the heartbeat's
         self._control_lock = threading.Lock()

@@ -1,13 +1,16 @@
 """A real broker on loopback turns away rollout nodes serving another model than the trainer's, and a
-second trainer while the first is alive."""
+second trainer while the first is alive (unless the first's process is provably gone)."""
 
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
 from tidal.broker.client import BrokerClient, BrokerError
+from tidal.broker.process_identity import this_process
 from tidal.broker.testing import start_broker
 from tidal.procs import free_port, kill_tree, stop
 from tidal.trainer.main import _BatchFeed
@@ -130,4 +133,52 @@ def test_the_trainers_feed_heartbeats_through_a_long_step_and_leaves_when_it_clo
         other.register("trainer", "second")
     finally:
         other.close()
+        stop(proc)
+
+
+_TRAINER = """
+import sys, time
+from tidal.broker.client import BrokerClient
+from tidal.broker.process_identity import this_process
+c = BrokerClient(sys.argv[1], timeout_s=10)
+print(c.register("trainer", "crashes", {"process": this_process()}), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_trainer_restarted_after_a_crash_takes_its_dead_predecessors_place_at_once(tmp_path):
+    """The predecessor (a real process, SIGKILLed) ran on this host: its successor finds its process gone
+    and joins at once, where it waited node_timeout_s (here 60 s) before. A live one is never replaced,
+    and a claim from elsewhere is refused."""
+    proc, address = start_broker(tmp_path, 8, group_size=2, batch_groups=2, node_timeout_s=60.0)
+    crashed = subprocess.Popen([sys.executable, "-c", _TRAINER, address], stdout=subprocess.PIPE, text=True)
+    successor, look = BrokerClient(address, timeout_s=10), BrokerClient(address, timeout_s=10)
+    try:
+        crashed_id = crashed.stdout.readline().strip()
+        with pytest.raises(BrokerError, match="another_trainer"):  # alive: waits, as before
+            successor.register("trainer", "successor", {"process": this_process()}, wait_s=2.0)
+        forged = {"process": {**this_process(), "host": "elsewhere"}}
+        with pytest.raises(BrokerError, match="another_trainer"):  # the broker checks where it runs
+            look._call(
+                "register", {"role": "trainer", "name": "forged", "meta": forged, "replaces": crashed_id}
+            )
+
+        crashed.kill()
+        crashed.wait()
+        started = time.monotonic()
+        successor.register("trainer", "successor", {"process": this_process()}, wait_s=30.0)
+        assert time.monotonic() - started < 5.0
+        stats = look.stats()
+        assert [n["name"] for n in stats["nodes"].values() if n["role"] == "trainer"] == ["successor"]
+        assert stats["counters"]["trainer_takeovers"] == 1
+        log = (tmp_path / "broker.log").read_text()
+        assert f"trainer 'successor' takes the place of {crashed_id} ('crashes')" in log
+        assert (
+            f"trainer 'forged' says it replaces '{crashed_id}'" in log
+            and "does not run where 'crashes' ran" in log
+        )
+    finally:
+        crashed.kill()
+        for client in (successor, look):
+            client.close()
         stop(proc)
