@@ -36,6 +36,8 @@ def status_line(now: dict[str, Any], prev: dict[str, Any] | None, elapsed_s: flo
     refused = f"refused nodes {c['refused_nodes']} (another model), " if c.get("refused_nodes") else ""
     if c.get("refused_trainers"):
         refused += f"refused trainers {c['refused_trainers']} (another alive), "
+    if c.get("trainer_takeovers"):
+        refused += f"trainer takeovers {c['trainer_takeovers']} (predecessor's process gone), "
     return (
         f"status: nodes alive {alive}; policy version {now['policy_version']}; "
         f"queue {now['queue_depth']} groups, in flight {now['in_flight_groups']}, "

@@ -67,3 +67,19 @@ def test_status_line_counts_trainers_refused_while_another_was_alive(tmp_path):
     )
     state.register(b"u", "trainer", "u", {}, T0 + 31.0)  # the first is forgotten 30 s after it was seen
     assert [n.name for n in state.nodes.values()] == ["u"]
+
+
+def test_status_line_counts_trainers_that_took_a_gone_predecessors_place(tmp_path):
+    state = BrokerState(
+        BrokerConfig(group_size=2, batch_groups=2, node_timeout_s=30.0),
+        PromptSource(load_rows(write_rows(tmp_path / "d.jsonl", 4)), seed=0, shuffle=False, epochs=1),
+        None,
+    )
+    here = {"host": "vm", "pid_ns": "pid:[7]", "pid": 10, "start": 5}
+    dead = state.register(b"t", "trainer", "t", {"process": here}, T0)
+    assert "trainer takeovers" not in status_line(state.stats(T0), None)
+    state.register(b"u", "trainer", "u", {"process": {**here, "pid": 11}}, T0 + 1.0, replaces=dead.node_id)
+    assert [n.name for n in state.nodes.values()] == ["u"]
+    assert "trainer takeovers 1 (predecessor's process gone), expired leases 0," in status_line(
+        state.stats(T0), None
+    )
