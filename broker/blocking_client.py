@@ -180,7 +180,10 @@ class BrokerClient:
         none or this registration does not say where it runs."""
         if self._registration["meta"].get("process") is None:
             return None
-        nodes = self._call("stats", {})[0]["nodes"]
+        try:
+            nodes = self._call("stats", {})[0]["nodes"]
+        except BrokerError:  # a broker going away: register's own retries cover it
+            return None
         gone = sorted(
             (n["seen_s_ago"], node_id, n["name"], n["meta"]["process"]["pid"])
             for node_id, n in nodes.items()
