@@ -22,6 +22,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from tidal.broker.process_identity import same_place
 from tidal.broker.protocol import BAD_REQUEST, ProtocolError
 from tidal.broker.state_records import Node
 
@@ -76,13 +77,8 @@ def takes_over(name: str, meta: dict[str, Any], other: Node, replaces: Any) -> b
     found its process gone, and it runs where it could check that (the same host and PID namespace)."""
     if replaces is None:
         return False
-    theirs, ours = other.meta.get("process"), meta.get("process")
-    same_place = (
-        isinstance(theirs, dict)
-        and isinstance(ours, dict)
-        and all(theirs.get(k) == ours.get(k) for k in ("host", "pid_ns"))
-    )
-    if replaces != other.node_id or not same_place:
+    theirs = other.meta.get("process")
+    if replaces != other.node_id or not same_place(theirs, meta.get("process")):
         why = (
             f"the live trainer is {other.node_id} ({other.name!r})"
             if replaces != other.node_id

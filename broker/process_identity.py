@@ -10,9 +10,10 @@ Anything it cannot check (another host, another namespace, no /proc) counts as a
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 from typing import Any
+
+from tidal.broker.local_journal import host_id
 
 
 def _stat_fields(pid: int) -> list[str] | None:
@@ -32,22 +33,28 @@ def _pid_namespace() -> str | None:
 
 
 def this_process() -> dict[str, Any] | None:
-    """Host, PID namespace, PID and start time (clock ticks since boot) of this process; None where
-    /proc cannot tell them."""
-    namespace, fields = _pid_namespace(), _stat_fields(os.getpid())
-    if namespace is None or fields is None:
+    """Host (the kernel's boot id, as ``register``'s ``host``), PID namespace, PID and start time (clock
+    ticks since boot) of this process; None where /proc cannot tell them."""
+    host, namespace, fields = host_id(), _pid_namespace(), _stat_fields(os.getpid())
+    if host is None or namespace is None or fields is None:
         return None
-    return {"host": socket.gethostname(), "pid_ns": namespace, "pid": os.getpid(), "start": int(fields[19])}
+    return {"host": host, "pid_ns": namespace, "pid": os.getpid(), "start": int(fields[19])}
+
+
+def same_place(a: Any, b: Any) -> bool:
+    """Whether identities ``a`` and ``b`` name one host and PID namespace (so one can see the other's PID)."""
+    return (
+        isinstance(a, dict)
+        and isinstance(b, dict)
+        and a.get("host") is not None
+        and all(a.get(k) == b.get(k) for k in ("host", "pid_ns"))
+    )
 
 
 def checkable(identity: Any) -> bool:
     """Whether this process can see the process ``identity`` names: same host, same PID namespace."""
-    here = this_process()
     return (
-        here is not None
-        and isinstance(identity, dict)
-        and identity.get("host") == here["host"]
-        and identity.get("pid_ns") == here["pid_ns"]
+        same_place(identity, this_process())
         and isinstance(identity.get("pid"), int)
         and isinstance(identity.get("start"), int)
     )

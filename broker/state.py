@@ -178,8 +178,7 @@ class BrokerState:
             other = live_trainer(others, now, self.cfg.node_timeout_s)
             if other is not None and takes_over(name, meta, other, replaces):
                 self.counters.trainer_takeovers += 1
-                other = None
-            if other is not None:
+            elif other is not None:
                 why = second_trainer(name, other, now, self.cfg.node_timeout_s)
                 # a waiting trainer asks every second: its refusal is logged every 30 s
                 if now - self._trainer_refusal_logged >= 30.0:
