@@ -224,8 +224,13 @@ class BrokerClient:
         self._buffers.give(frames)
         return body
 
-    def release(self, lease_id: str, group_ids: list[str] | None = None) -> None:
-        self._call("release", {"lease_id": lease_id, "group_ids": group_ids})
+    def release(self, lease_id: str, group_ids: list[str] | None = None, error: str | None = None) -> int:
+        """Give groups back; returns how many will be leased again. ``error``: this node failed to sample
+        them (a group that fails ``broker.max_group_failures`` times is dropped instead)."""
+        body = {"lease_id": lease_id, "group_ids": group_ids}
+        if error is not None:
+            body["error"] = error
+        return self._call("release", body)[0]["released"]
 
     def policy_version(self) -> int:
         return self._call("policy_version", {})[0]["policy_version"]

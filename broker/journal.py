@@ -36,6 +36,7 @@ from typing import Any
 
 from tidal.broker.journal_packing import Pieces
 from tidal.broker.journal_records import (
+    FIRST_FORMAT,
     FORMAT_RECORD_BYTES,
     FORMAT_VERSION,
     GROUP_KINDS,
@@ -128,9 +129,9 @@ class Journal:
         self._mask = 0  # that file's checksum mask (file_mask)
         self.spare_files = spare_files
         self.spares_used = 0  # compactions that wrote over a spare file
-        # Whether the file appends go to takes PACKED records (format 4; an older file is finished as it
-        # was written, and the next compaction starts a format-4 file).
-        self.takes_packed = True
+        # The format of the file appends go to: an older file is finished as it was written, taking no
+        # record kind of a later format (FIRST_FORMAT), and the next compaction starts a current one.
+        self.file_format = FORMAT_VERSION
         self.replayed_locs: list[tuple[str, int, int] | None] = []
         self._tail = 0
         self.last_offset = 0
@@ -195,7 +196,7 @@ class Journal:
             self.file_id = new_file_id()
             self._writer.write(record_parts(Kind.FORMAT, format_payload(self.file_id)))
             self._mask = file_mask(str(FORMAT_VERSION), self.file_id)
-            self.takes_packed = True
+            self.file_format = FORMAT_VERSION
         self._writing_id = self.file_id
         self._tail = self._writer.size
         if self.fsync == "interval":
@@ -288,14 +289,19 @@ class Journal:
         kind, payload, _ = records[0]
         found = parse_format(payload)[0] if kind is Kind.FORMAT else "1"
         self._mask = file_mask(found, self.file_id)
-        self.takes_packed = found == str(FORMAT_VERSION)
         if found not in READABLE_FORMATS:
             raise JournalFormatError(
                 f"journal {self.path} is in format {found}, this broker reads formats {', '.join(READABLE_FORMATS)} "
                 "(its group frames changed layout): finish that run with the tidal version that wrote it, "
                 "or move the journal directory away to start afresh"
             )
+        self.file_format = int(found)
         return records[1:]
+
+    def takes(self, kind: Kind) -> bool:
+        """Whether the file appends go to takes records of ``kind`` (a file of an older format takes
+        none of a kind a later format added)."""
+        return self.file_format >= FIRST_FORMAT.get(kind, 0)
 
     def _start(self, target: Callable[[], None], name: str) -> None:
         def run() -> None:
@@ -309,10 +315,12 @@ class Journal:
     def append(self, kind: Kind, payload: bytes | memoryview | Pieces, crc: int | None = None) -> int:
         """Append a record; returns its sequence number (durable once ``durable_seq`` reaches it). Its
         payload will lie at ``last_offset`` of the file ``file_id``. ``crc``: the record's checksum where
-        the caller has it (``record_crc``), else computed when written. A PACKED record goes only to a
-        file that ``takes_packed``."""
-        if kind is Kind.PACKED and not self.takes_packed:
-            raise ValueError(f"journal {self.path} is an older format's file: it takes no PACKED records")
+        the caller has it (``record_crc``), else computed when written. A record of a kind a later format
+        added goes only to a file that ``takes`` it."""
+        if kind in FIRST_FORMAT and not self.takes(kind):
+            raise ValueError(
+                f"journal {self.path} is a format-{self.file_format} file: it takes no {kind.name} records"
+            )
         self.last_offset = self._tail + RECORD_HEADER.size
         self._tail = self.last_offset + len(payload)
         if self.background:  # written at the next commit(), by the writer thread or inline
@@ -475,7 +483,7 @@ class Journal:
             offsets.append(self._tail + RECORD_HEADER.size)
             self._tail += RECORD_HEADER.size + len(payload)
         self.file_id = file_id
-        self.takes_packed = True  # appends from here on go to the new file
+        self.file_format = FORMAT_VERSION  # appends from here on go to the new file
         return file_id, offsets
 
     def _replace(self, compaction: tuple[str, Iterable[tuple[Kind, bytes | memoryview]]]) -> None:

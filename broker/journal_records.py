@@ -32,6 +32,7 @@ class Kind(IntEnum):
     FORMAT = 9  # the first record: the journal format number
     REF = 10  # a group kept by compaction where it lies: file id, payload offset and length (format 3)
     PACKED = 11  # an accepted group, its frame's versions run-length encoded (format 4; journal_packing)
+    ATTEMPTS = 12  # failed sampling attempts of groups not yet resolved, {group id: count} (format 5)
 
 
 # 2: group frames with per-sample columns in the data region (protocol v2). Format 1 had no FORMAT record.
@@ -39,8 +40,11 @@ class Kind(IntEnum):
 # log reads the same way.
 # 4: accepted groups may be PACKED records. A format-2 or -3 file takes no PACKED record (a broker of the
 # version before would stop reading there); the file the next compaction writes is format 4.
-FORMAT_VERSION = 4
-READABLE_FORMATS = ("2", "3", "4")
+# 5: ATTEMPTS records keep the failed attempts of each group across a restart (broker.max_group_failures),
+# likewise only in a file of format 5.
+FORMAT_VERSION = 5
+READABLE_FORMATS = ("2", "3", "4", "5")
+FIRST_FORMAT = {Kind.PACKED: 4, Kind.ATTEMPTS: 5}  # the first format whose files take these kinds
 GROUP_KINDS = (Kind.GROUP, Kind.RESTORE, Kind.PACKED)  # records that hold a group frame
 _REF = struct.Struct("<16sQI")
 # The FORMAT payload is "<format> <file id>": the file id (16 hex digits, new for every file a compaction

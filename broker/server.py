@@ -243,7 +243,8 @@ class BrokerServer:
         self, peer: bytes, rid: int, type_: str, body: dict[str, Any], frames=(), durable: bool = False
     ) -> None:
         """Send a reply; with ``durable`` only once everything journaled so far is written, for replies that
-        acknowledge records (accepted groups, a cut batch, a version, a consumed batch). Other replies go at
+        acknowledge records (accepted groups, a cut batch, a version, a consumed batch, failed
+        attempts). Other replies go at
         once: a lease's TAKE record need not be durable first, because after a crash every old lease is
         unknown and its prompts are leased again, so a reply that outruns its record loses nothing."""
         message = [peer, proto.encode_envelope(type_, rid, body), *frames]
@@ -410,7 +411,7 @@ class BrokerServer:
             raise proto.ProtocolError(proto.BAD_FRAME, "release: error must be a string or nil")
         node = self.state.node_for(peer, time.time())
         n = self.state.release(node, req.body["lease_id"], ids, error)
-        self._ok(peer, req.id, {"released": n})
+        self._ok(peer, req.id, {"released": n}, durable=error is not None)  # the attempts are journaled
 
     def _on_leave(self, peer: bytes, req: proto.Request) -> None:
         node = self.state.node_for(peer, time.time())

@@ -102,7 +102,8 @@ class BrokerState:
 
     # ---------------------------------------------------------------- journal
     def _log(self, kind: Kind, payload: bytes | memoryview) -> None:
-        if self.journal is not None:
+        """Journal a record; one of a kind a later format added is left out of an older file (``takes``)."""
+        if self.journal is not None and self.journal.takes(kind):
             self.journal.append(kind, payload)
 
     def replay(
@@ -115,6 +116,7 @@ class BrokerState:
             if kind is Kind.GROUP:
                 info = inspect_group(payload)
                 self.outstanding.pop(info.group_id, None)
+                self.failures.pop(info.group_id, None)
                 self._accept(StoredGroup(info, payload, loc), now=None)
             elif kind is Kind.RESTORE:
                 stored = StoredGroup(inspect_group(payload), payload, loc)
@@ -143,6 +145,7 @@ class BrokerState:
             self.source.seek(d["epoch"], d["pos"])
         elif kind is Kind.DROP:
             self.outstanding.pop(d["id"], None)
+            self.failures.pop(d["id"], None)
             if d["reason"] == "stale":
                 self.buffer.pop(d["id"], None)
                 self.accepted_live -= 1
@@ -160,6 +163,8 @@ class BrokerState:
             self.run_model.load(d)  # the trainer's model, where a trainer's registration wrote it
         elif kind is Kind.SNAPSHOT:
             load_snapshot(self, d)
+        elif kind is Kind.ATTEMPTS:
+            dict.update(self.failures, d)  # the counts as they stood (Counter.update would add them)
 
     # ------------------------------------------------------------- membership
     def register(
@@ -347,6 +352,8 @@ class BrokerState:
             for gid in given_up:
                 self._drop_failed(lease, gid, node, error)
             group_ids = [g for g in ids if g not in given_up]
+            if group_ids:  # a restart goes on counting
+                self._log(Kind.ATTEMPTS, _pack({g: self.failures[g] for g in group_ids}))
             if not lease.pending:
                 self._close_lease(lease)
         n = self._return_lease(lease_id, group_ids) if lease_id in self.leases else 0
@@ -438,7 +445,7 @@ class BrokerState:
         j = self.journal
         payload = s.frame.buffer if hasattr(s.frame, "buffer") else s.frame
         packed = None
-        if j.takes_packed and s.info.versions_at is not None:
+        if j.takes(Kind.PACKED) and s.info.versions_at is not None:
             at, count, dtype = s.info.versions_at
             packed = pack_group(
                 memoryview(payload).cast("B"), at, count, dtype, s.info.min_version, s.info.max_version

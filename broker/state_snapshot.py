@@ -24,6 +24,7 @@ def snapshot_records(state: BrokerState) -> Iterator[tuple[Kind, Any]]:
         "cursor": [state.source.epoch, state.source.pos],
         "source": state.source.identity,
         "outstanding": list(state.outstanding),
+        "failures": {g: n for g, n in state.failures.items() if g in state.outstanding},
         "accepted_live": state.accepted_live,
         "version": state.version,
         "consumed": state.consumed,
@@ -47,6 +48,7 @@ def load_snapshot(state: BrokerState, d: dict[str, Any]) -> None:
     state.journaled_source = d.get("source")  # None in a snapshot of an earlier tidal
     state.source.seek(*d["cursor"])
     state.outstanding = dict.fromkeys(d["outstanding"])
+    state.failures = Counter(d.get("failures", {}))  # failed sampling attempts (format 5)
     state.accepted_live = d["accepted_live"]
     state.version = d["version"]
     state.consumed = d["consumed"]

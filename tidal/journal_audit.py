@@ -46,6 +46,7 @@ class JournalAudit:
     batches: list[int] = field(default_factory=list)  # batch ids in journal order
     consumed_through: int = -1  # the last batch the trainer reported durably trained
     outstanding: int = 0  # taken, not yet accepted or dropped (in flight when the log ends)
+    failing: int = 0  # of those, groups with failed sampling attempts (ATTEMPTS records, format 5)
     buffered: int = 0  # accepted, not yet in a batch
     compacted: bool = False
     accepted_twice: list[str] = field(default_factory=list)
@@ -145,6 +146,7 @@ def _audit(log: Path, data: memoryview) -> JournalAudit:
     buffered: set[str] = set()
     batched: set[str] = set()
     refs: list[tuple[str, int, int]] = []
+    failures: dict[str, int] = {}
     for kind, payload in records:
         if kind is Kind.FORMAT:
             audit.format, audit.file_id = parse_format(payload)
@@ -161,9 +163,11 @@ def _audit(log: Path, data: memoryview) -> JournalAudit:
             accepted.add(gid)
             buffered.add(gid)
             outstanding.discard(gid)
+            failures.pop(gid, None)
         elif kind is Kind.DROP:
             d = _unpack(payload)
             outstanding.discard(d["id"])
+            failures.pop(d["id"], None)
             if d["reason"] == "stale":
                 audit.dropped_stale += 1
                 buffered.discard(d["id"])
@@ -189,6 +193,7 @@ def _audit(log: Path, data: memoryview) -> JournalAudit:
             snap = _unpack(payload)
             audit.compacted = True
             outstanding = set(snap["outstanding"])
+            failures = dict(snap.get("failures", {}))
             buffered = set(snap["buffer"])
             for _batch_id, ids, _version in snap["batches"]:
                 batched.update(ids)
@@ -199,6 +204,8 @@ def _audit(log: Path, data: memoryview) -> JournalAudit:
             audit.source = snap.get("source")
         elif kind is Kind.REF:
             refs.append(parse_ref(payload))
+        elif kind is Kind.ATTEMPTS:
+            failures.update(_unpack(payload))
     audit.refs = len(refs)
     audit.ref_files = sorted({file_id for file_id, _, _ in refs})
     try:
@@ -209,5 +216,6 @@ def _audit(log: Path, data: memoryview) -> JournalAudit:
     audit.accepted = len(accepted)
     audit.batched = len(batched)
     audit.outstanding = len(outstanding)
+    audit.failing = sum(1 for gid in failures if gid in outstanding)
     audit.buffered = len(buffered)
     return audit

@@ -54,7 +54,9 @@ def audit_lines(a: JournalAudit) -> list[str]:
         f"  trainer: consumed through batch {a.consumed_through}, policy version "
         f"{'none published' if a.policy_version is None else a.policy_version}; "
         f"prompt cursor {cursor}",
-        f"  a broker started on it: re-leases {a.outstanding:,} groups that were out on leases, keeps "
+        f"  a broker started on it: re-leases {a.outstanding:,} groups that were out on leases"
+        + (f" ({a.failing:,} with failed sampling attempts, which it keeps counting)" if a.failing else "")
+        + ", keeps "
         f"{a.buffered:,} accepted groups for later batches, serves {a.unconsumed_batches:,} cut batches again",
     ]
     if a.writer:

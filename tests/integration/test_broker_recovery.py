@@ -292,3 +292,31 @@ def test_a_second_broker_on_the_same_journal_is_refused_and_a_killed_ones_lock_g
             assert node.lease(1) is not None
     finally:
         stop(proc)
+
+
+def test_a_prompts_failed_attempts_survive_a_broker_killed_and_restarted(tmp_path):
+    port = free_port()
+    settings = dict(group_size=2, batch_groups=1, max_group_failures=2, max_staleness=4, data={"epochs": 1})
+    proc, address = start_broker(tmp_path, 1, port=port, **settings)
+    try:
+        with BrokerClient(address, timeout_s=10) as node:
+            node.register("rollout", "n")
+            lease = node.lease(1)
+            (bad,) = [g.group_id for g in lease.groups]
+            assert node.release(lease.lease_id, error="SampleFailed: prompt too long") == 1
+        # the reply came once the attempt was journaled: a kill now loses nothing
+        kill_tree(proc, signal.SIGKILL)
+        proc.wait(10)
+        proc, address = start_broker(tmp_path, 1, port=port, **settings)
+        with BrokerClient(address, timeout_s=10) as node:
+            node.register("rollout", "n")
+            lease = node.lease(1)
+            assert [g.group_id for g in lease.groups] == [bad]
+            # its second failed attempt, the first since the restart: dropped, not leased again
+            assert node.release(lease.lease_id, error="SampleFailed: prompt too long") == 0
+            stats = node.stats()
+        assert stats["counters"]["failed_groups"] == 1 and stats["finished"]
+    finally:
+        stop(proc)
+    code, out = _tidal_journal(tmp_path / "journal")
+    assert code == 0 and "1 dropped as failed" in out, out

@@ -163,11 +163,13 @@ def test_an_older_format_file_takes_no_packed_record_until_a_compaction_starts_a
     j = Journal(tmp_path, fsync="never")
     j.open()
     frame = encode_group(_group([np.full(100, 4, np.int32)]))
-    assert not j.takes_packed
-    with pytest.raises(ValueError, match="takes no PACKED records"):
+    assert not j.takes(Kind.PACKED)
+    with pytest.raises(ValueError, match="format-3 file: it takes no PACKED records"):
         j.append(Kind.PACKED, _pack(frame))
+    with pytest.raises(ValueError, match="takes no ATTEMPTS records"):
+        j.append(Kind.ATTEMPTS, b"\x80")
     j.compact([(Kind.SNAPSHOT, b"snap")])
-    assert j.takes_packed
+    assert j.takes(Kind.PACKED) and j.takes(Kind.ATTEMPTS)
     j.append(Kind.PACKED, _pack(frame))
     j.close()
     assert [(k, bytes(p)) for k, p in Journal(tmp_path).open()] == [

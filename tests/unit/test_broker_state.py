@@ -10,7 +10,7 @@ from tidal.broker.batch_refs import journal_refs
 from tidal.broker.codec import encode_group
 from tidal.broker.config import BrokerConfig
 from tidal.broker.journal import Journal
-from tidal.broker.journal_records import Kind
+from tidal.broker.journal_records import Kind, read_records, record_parts
 from tidal.broker.protocol import BAD_GROUP, BAD_REQUEST, LEASE_REJECTED, NOT_REGISTERED, ProtocolError
 from tidal.broker.source import PromptSource, load_rows
 from tidal.broker.state import BrokerState
@@ -159,6 +159,60 @@ def test_a_group_that_fails_max_group_failures_times_is_dropped_journaled_and_no
 
     audit = audit_journal(tmp_path / "journal")
     assert audit.failed == 1 and audit.outstanding == 0 and not audit.problems
+
+
+def _fail_once(state, name, want_group=None):
+    node = state.register(name.encode(), "rollout", name, {}, T0)
+    lease = state.lease(node, 1, T0)
+    gid = lease.groups[0].group_id
+    assert want_group in (None, gid)
+    return gid, state.release(node, lease.lease_id, None, error="SampleFailed: prompt too long")
+
+
+def test_failed_attempts_count_on_across_restarts_and_a_compaction(tmp_path):
+    from tidal.journal_audit import audit_journal
+    from tidal.journal_command import audit_lines
+
+    settings = {
+        "rows": 2,
+        "max_group_failures": 3,
+        "max_staleness": 4,
+        "journal": {"compact_dead_per_live": 0},
+    }
+    state = make_state(tmp_path, **settings)
+    bad, left = _fail_once(state, "a")
+    assert left == 1 and state.failures == {bad: 1}
+    # no close(): the process dies here; the count is in the file
+    state = make_state(tmp_path, **settings)
+    assert state.failures == {bad: 1} and list(state.requeue) == [bad]
+    assert _fail_once(state, "b", bad) == (bad, 1)
+    audit = audit_journal(tmp_path / "journal")
+    assert audit.failing == 1 and audit.records["ATTEMPTS"] == 2 and not audit.problems
+    assert "re-leases 1 groups that were out on leases (1 with failed sampling attempts" in "".join(
+        audit_lines(audit)
+    )
+    state.cfg.journal.compact_every_bytes = 1
+    assert state.maybe_compact()  # the snapshot carries the counts; the ATTEMPTS records are gone
+    assert "ATTEMPTS" not in audit_journal(tmp_path / "journal").records
+    assert audit_journal(tmp_path / "journal").failing == 1
+    state = make_state(tmp_path, **settings)
+    assert state.failures == {bad: 2}
+    assert _fail_once(state, "c", bad) == (bad, 0)  # the third attempt, across two restarts: dropped
+    assert state.counters.failed_groups == 1 and bad not in state.outstanding and not state.failures
+    again = make_state(tmp_path, **settings)
+    assert again.counters.failed_groups == 1 and not again.failures and bad not in again.requeue
+
+
+def test_an_older_format_journal_takes_no_attempts_record_and_a_restart_counts_afresh(tmp_path):
+    (tmp_path / "journal").mkdir()
+    head = record_parts(Kind.FORMAT, b"4 0123456789abcdef")
+    (tmp_path / "journal" / "journal.log").write_bytes(b"".join(bytes(p) for p in head))
+    state = make_state(tmp_path, rows=2, max_group_failures=3)
+    bad, left = _fail_once(state, "a")
+    assert left == 1 and state.failures == {bad: 1}
+    kinds = [k for k, _ in read_records(memoryview(state.journal.path.read_bytes()))[0]]
+    assert Kind.TAKE in kinds and Kind.ATTEMPTS not in kinds
+    assert make_state(tmp_path, rows=2, max_group_failures=3).failures == {}
 
 
 def test_dynamic_sampling_filters_groups_with_equal_rewards(tmp_path):

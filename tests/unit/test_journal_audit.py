@@ -54,7 +54,7 @@ def test_the_audit_follows_groups_journaled_packed_or_plain_through_batches(tmp_
         0,
     )
     assert audit.problems == []
-    assert audit.format == "4" and audit.file_id == journal.file_id
+    assert audit.format == "5" and audit.file_id == journal.file_id
     assert audit.records["TAKE"] == 1 and audit.records["BATCH"] == 1 and audit.records["CONSUMED"] == 1
     assert audit.cursor == (0, 4) and audit.unconsumed_batches == 0
     assert audit.good_bytes <= audit.bytes and audit.tail_is_padding
@@ -76,7 +76,7 @@ def test_tidal_journal_prints_the_account_and_what_a_restart_would_do(tmp_path, 
     _history(tmp_path)[0].journal.flush()
     assert tidal(["journal", str(tmp_path / "journal")]) == 0
     out = capsys.readouterr().out
-    assert "format 4" in out and "consumed through batch 0, policy version 1" in out
+    assert "format 5" in out and "consumed through batch 0, policy version 1" in out
     assert "re-leases 2 groups" in out and "keeps 2 accepted groups" in out and "serves 0 cut batches" in out
     assert "ok: no group accepted twice" in out
     assert "prompt data: 6 rows shuffled with seed 0, digest" in out
