@@ -35,6 +35,10 @@ class BrokerCollector(Collector):
             "in_flight_groups": ("prompt groups out on leases", s["in_flight_groups"]),
             "leases": ("open leases", s["leases"]),
             "buffered_groups": ("accepted groups waiting for a batch", s["buffered_groups"]),
+            "failing_groups": (
+                "prompt groups with failed sampling attempts, not yet dropped (broker.max_group_failures)",
+                s.get("failing_groups", 0),
+            ),
             "admission_capacity": (
                 "groups that may be leased now under the staleness bound",
                 s["admission"]["capacity"],

@@ -52,6 +52,7 @@ def state_stats(state: BrokerState, now: float) -> dict[str, Any]:
         "in_flight_groups": state.leased,
         "leases": len(state.leases),
         "buffered_groups": len(state.buffer),
+        "failing_groups": len(state.failures),  # not yet resolved, with failed sampling attempts
         "admission": {
             "accepted": state.accepted_live,
             "leased": state.leased,

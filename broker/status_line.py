@@ -33,6 +33,7 @@ def status_line(now: dict[str, Any], prev: dict[str, Any] | None, elapsed_s: flo
     c = now["counters"]
     batches = now["batches"]
     errors = sum(now.get("errors", {}).values())
+    failing = f" ({now['failing_groups']} failing)" if now.get("failing_groups") else ""
     refused = f"refused nodes {c['refused_nodes']} (another model), " if c.get("refused_nodes") else ""
     if c.get("refused_trainers"):
         refused += f"refused trainers {c['refused_trainers']} (another alive), "
@@ -45,7 +46,7 @@ def status_line(now: dict[str, Any], prev: dict[str, Any] | None, elapsed_s: flo
         f"accepted {c['accepted_groups']} groups ({samples_s:.0f} samples/s, {bytes_s / 1e6:.1f} MB/s {over}); "
         f"batches cut {c['batches_cut']}, consumed through {batches['consumed']}; "
         f"dropped stale {c['dropped_stale_groups']}, filtered {c['filtered_groups']}, "
-        f"failed {c.get('failed_groups', 0)}, "
+        f"failed {c.get('failed_groups', 0)}{failing}, "
         f"{refused}"
         f"expired leases {c['expired_leases']}, rejected submissions {c['rejected_submissions']}, "
         f"bad frames {c['bad_frames']}, error replies {errors}; "

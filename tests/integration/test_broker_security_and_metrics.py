@@ -102,8 +102,11 @@ def test_stats_prometheus_and_status_lines_report_queue_flight_staleness_and_thr
             assert stats["journal"]["packed_groups"] == 2 and stats["journal"]["packed_bytes_saved"] > 0
             roles = sorted(n["role"] for n in stats["nodes"].values())
             assert roles == ["rollout", "trainer"]
+            assert stats["failing_groups"] == 0
+            assert node.release(lease.lease_id, error="SampleFailed: prompt too long") == 1
             node.leave()
-            assert trainer.stats()["in_flight_groups"] == 0
+            after = trainer.stats()
+            assert after["in_flight_groups"] == 0 and after["failing_groups"] == 1
 
         for _ in range(50):  # the endpoint shows the snapshot of the last tick (<= 0.25 s old)
             m = _metrics(metrics_port)
@@ -113,7 +116,7 @@ def test_stats_prometheus_and_status_lines_report_queue_flight_staleness_and_thr
         assert m["tidal_broker_policy_version"] == 1
         assert m["tidal_broker_accepted_groups_total"] == 2
         assert m["tidal_broker_filtered_groups_total"] == 1
-        assert m["tidal_broker_queue_depth"] == 7
+        assert m["tidal_broker_queue_depth"] == 7 and m["tidal_broker_failing_groups"] == 1
         assert m["tidal_broker_group_staleness_count"] == 2 and m["tidal_broker_group_staleness_sum"] == 0
         assert m["tidal_broker_samples_per_second"] > 0
         assert m["tidal_broker_journal_packed_groups_total"] == 2
@@ -130,6 +133,7 @@ def test_stats_prometheus_and_status_lines_report_queue_flight_staleness_and_thr
         assert want in line, line
         assert "nodes alive 1 trainer;" in line and "accepted 2 groups" in line, line
         assert "batches cut 1" in line and "filtered 1," in line and "bad frames 0" in line, line
+        assert "failed 0 (1 failing)," in line, line
     finally:
         stop(proc)
 
