@@ -55,7 +55,7 @@ def parse_options(args: list[str]) -> TrainOptions:
         "--broker ADDR, --init HF_DIR, --out DIR, --export HF_DIR, --resume auto|never",
     )
     if opts.resume not in ("auto", "never"):
-        raise ConfigError(f"tidal train: --resume={opts.resume!r}; use auto or never")
+        raise ConfigError(f"--resume={opts.resume!r}; use auto or never")
     return opts
 
 
@@ -117,21 +117,22 @@ class _BatchFeed:
     def report_consumed(self, batch_id: int) -> None:
         self._tolerant(self.control.report_consumed, batch_id)
 
-    def check_resumes_after(self, last_batch_id: int, out: Path) -> None:
-        """A trainer that would ask for a batch the broker's run has trained through already (a new or
-        wrong ``--out``: no checkpoint, or an older one) fails naming why, before the broker refuses its
-        first fetch with a bare ``bad_request``."""
+    def why_it_cannot_resume(self, last_batch_id: int, out: Path) -> str | None:
+        """Why a trainer would ask for a batch the broker's run has trained through already (a new or
+        wrong ``--out``: no checkpoint, or an older one), so that it fails naming why before the broker
+        refuses its first fetch with a bare ``bad_request``; None when it can resume."""
         stats = self._tolerant(self.control.stats)
         consumed = stats["batches"]["consumed"] if stats is not None else -1
-        if last_batch_id < consumed:
-            where = f"it has no checkpoint in {out}"
-            if last_batch_id >= 0:
-                where = f"its checkpoint in {out} ends at batch {last_batch_id}"
-            raise ConfigError(
-                f"tidal train: the broker's run has trained through batch {consumed} (reported by a trainer's "
-                f"checkpoint), but {where}; start it with that run's checkpoint directory (--out, by default "
-                "<run_dir>/train), or give a new run its own broker journal"
-            )
+        if last_batch_id >= consumed:
+            return None
+        where = f"it has no checkpoint in {out}"
+        if last_batch_id >= 0:
+            where = f"its checkpoint in {out} ends at batch {last_batch_id}"
+        return (
+            f"the broker's run has trained through batch {consumed} (reported by a trainer's checkpoint), "
+            f"but {where}; start it with that run's checkpoint directory (--out, by default "
+            "<run_dir>/train), or give a new run its own broker journal"
+        )
 
     def why_no_batch(self) -> tuple[str, str]:
         """Why ``get`` gave None: ``("exhausted", ...)`` when no group will ever come again, else
@@ -308,8 +309,14 @@ def main(config: RunConfig, args: list[str]) -> int:
     if feed is not None:
         feed.stop = stop
     try:
+        # Every rank leaves with the refusal's exit code: were rank 0 to leave alone, another rank would
+        # find rank 0's end of a collective closed and might exit (with 1) first, which torchrun reports.
+        refusal = feed.why_it_cannot_resume(progress.last_batch_id, out) if feed is not None else None
+        if (refusal := _broadcast(refusal)) is not None:
+            raise ConfigError(
+                refusal if trainer.rank == 0 else f"rank {trainer.rank} stops with rank 0, which says why"
+            )
         if feed is not None:
-            feed.check_resumes_after(progress.last_batch_id, out)
             feed.publish_version(progress.step)
         last_saved = progress.step
         last_wall = time.perf_counter()
