@@ -22,6 +22,7 @@ from tidal.broker.client_common import (
     log_broker_wait,
     poll_slice_s,
     raise_for_reply,
+    release_body,
     timeout_message,
 )
 from tidal.broker.client_support import _BufferPool, _LocalFrames, _Unacked, send_copies
@@ -227,10 +228,7 @@ class BrokerClient:
     def release(self, lease_id: str, group_ids: list[str] | None = None, error: str | None = None) -> int:
         """Give groups back; returns how many will be leased again. ``error``: this node failed to sample
         them (a group that fails ``broker.max_group_failures`` times is dropped instead)."""
-        body = {"lease_id": lease_id, "group_ids": group_ids}
-        if error is not None:
-            body["error"] = error
-        return self._call("release", body)[0]["released"]
+        return self._call("release", release_body(lease_id, group_ids, error))[0]["released"]
 
     def policy_version(self) -> int:
         return self._call("policy_version", {})[0]["policy_version"]

@@ -30,6 +30,7 @@ from tidal.broker.client_common import (
     log_broker_wait,
     poll_slice_s,
     raise_for_reply,
+    release_body,
     timeout_message,
 )
 from tidal.broker.client_support import (
@@ -336,10 +337,7 @@ class AsyncBrokerClient:
     ) -> None:
         """Give groups back; ``error``: this node failed to sample them (the broker drops a group that
         fails ``broker.max_group_failures`` times instead of leasing it again)."""
-        body = {"lease_id": lease_id, "group_ids": group_ids}
-        if error is not None:
-            body["error"] = error
-        await self._call("release", body)
+        await self._call("release", release_body(lease_id, group_ids, error))
 
     async def policy_version(self) -> int:
         return (await self._call("policy_version", {}))[0]["policy_version"]

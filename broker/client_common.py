@@ -47,6 +47,14 @@ def batch_from_reply(body: dict[str, Any], frames: list[Any]) -> Batch | None:
     return Batch(b["batch_id"], [decode_group(f) for f in frames], b["policy_version"])
 
 
+def release_body(lease_id: str, group_ids: list[str] | None, error: str | None) -> dict[str, Any]:
+    """A ``release`` request's body; ``error`` only when the node failed to sample the groups."""
+    body: dict[str, Any] = {"lease_id": lease_id, "group_ids": group_ids}
+    if error is not None:
+        body["error"] = error
+    return body
+
+
 def lease_from_reply(body: dict[str, Any]) -> Lease | None:
     return lease_from_wire(body["lease"]) if body.get("lease") else None
 
