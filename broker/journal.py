@@ -23,17 +23,16 @@ interval); ``never`` leaves it to the OS.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
 import os
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from tidal.broker.journal_files import JournalFiles, fsync_path
 from tidal.broker.journal_packing import Pieces
 from tidal.broker.journal_records import (
     FIRST_FORMAT,
@@ -61,12 +60,8 @@ from tidal.broker.journal_writers import BufferedWriter, DirectWriter, open_writ
 log = logging.getLogger(__name__)
 
 _PR_SET_NAME = 15  # prctl option (linux/prctl.h)
-# Files compaction no longer refers to are deleted this many bytes at a time, pausing between slices
-# (at most 4 GB/s: more than the device writes, so deletion keeps up with any run).
-DELETE_SLICE = 8 << 20
 # The writer thread reports records durable every this many bytes of a pass (see _write_pass).
 DURABLE_SLICE = 8 << 20
-DELETE_PAUSE_S = 0.002
 
 
 class Journal:
@@ -127,8 +122,7 @@ class Journal:
         self.file_id: str | None = None
         self._writing_id: str | None = None  # the file the writer writes (file_id runs ahead in compaction)
         self._mask = 0  # that file's checksum mask (file_mask)
-        self.spare_files = spare_files
-        self.spares_used = 0  # compactions that wrote over a spare file
+        self._files = JournalFiles(self.dir, self.path, spare_files, overwrites=direct_io)
         # The format of the file appends go to: an older file is finished as it was written, taking no
         # record kind of a later format (FIRST_FORMAT), and the next compaction starts a current one.
         self.file_format = FORMAT_VERSION
@@ -148,17 +142,12 @@ class Journal:
     def disk(self) -> dict[str, int]:
         """What the journal holds on disk: earlier files kept for their live groups, spares, and the bytes
         of every file in its directory (spares keep what they held before)."""
-        kept, spares = list(self.dir.glob("journal.*.log")), list(self.dir.glob("spare.*"))
-        total = 0
-        for path in (self.path, *kept, *spares):
-            with contextlib.suppress(OSError):  # deleted or renamed meanwhile by a compaction
-                total += path.stat().st_size
-        return {
-            "files_kept": len(kept),
-            "spare_files": len(spares),
-            "spares_used": self.spares_used,
-            "dir_bytes": total,
-        }
+        return self._files.disk()
+
+    @property
+    def spares_used(self) -> int:
+        """Compactions that wrote over a spare file."""
+        return self._files.spares_used
 
     def open(self) -> list[tuple[Kind, memoryview]]:
         """Read the existing log (truncating a torn tail) and open it for appending. REF records come back
@@ -188,10 +177,10 @@ class Journal:
                     os.fsync(f.fileno())
         out, self.replayed_locs = self._resolve(records)
         leftover = self.path.with_suffix(".log.tmp")  # a compaction a crash cut short
-        if leftover.exists() and not self._keep_spare(leftover):
+        if leftover.exists() and not self._files.keep_spare(leftover):
             leftover.unlink()
-        self._forget_segments({loc[0] for loc in self.replayed_locs if loc is not None})
-        self._writer = open_writer(self.path, good, self.direct_io)
+        self._files.forget({loc[0] for loc in self.replayed_locs if loc is not None})
+        self._open_writer(good)
         if good == 0:
             self.file_id = new_file_id()
             self._writer.write(record_parts(Kind.FORMAT, format_payload(self.file_id)))
@@ -229,57 +218,9 @@ class Journal:
             locs.append((self.file_id, offset, len(payload)) if held else None)
         return out, locs
 
-    def _forget_segments(self, keep: set[str], wait: bool = True) -> None:
-        """Let go of the earlier files no record of the log refers to any more: up to ``spare_files`` are
-        kept as spares, which the next compactions write over (see ``_spare_for``); the rest are deleted.
-        Behind a compaction (``wait=False``) a thread of its own deletes, a slice at a time (see
-        ``DELETE_SLICE``), so that appends do not wait behind it."""
-        doomed = []
-        for path in self.dir.glob("journal.*.log"):
-            if path.name.split(".")[1] not in keep and not self._keep_spare(path):
-                doomed.append(path)
-        spares = sorted(self.dir.glob("spare.*"))
-        doomed += spares[self._spare_limit() :]
-        if not doomed:
-            return
-
-        def unlink() -> None:
-            for path in doomed:
-                _delete_in_slices(path, DELETE_SLICE if not wait else 0)
-
-        if wait:
-            unlink()
-        else:
-            t = threading.Thread(target=unlink, name="journal-unlink", daemon=True)
-            t.start()
-            self._threads.append(t)  # close() waits for it
-
-    def _spare_limit(self) -> int:
-        # Only a direct writer writes over a file from its start (page-cache appends go to its end).
-        return self.spare_files if self.direct_io and (self._writer is None or self._writer.direct) else 0
-
-    def _keep_spare(self, path: Path) -> bool:
-        """Keep ``path`` (a file nothing refers to) as a spare, if there is room for one more."""
-        if len(list(self.dir.glob("spare.*"))) >= self._spare_limit():
-            return False
-        os.rename(path, self.dir / f"spare.{new_file_id()}")
-        return True
-
-    def _spare_for(self, path: Path) -> None:
-        """Put a spare file at ``path`` (to be written over from its start), if there is one: writing over
-        a file's blocks ran ~30% faster here than appending new ones (an append allocates blocks and
-        grows the file: a metadata update per write), and deleting it would trim its blocks (discard)."""
-        if not self._spare_limit():
-            return
-        # never a file that is still the log or one it refers to (links left by a crash mid-compaction)
-        used = {_inode(p) for p in (self.path, *self.dir.glob("journal.*.log"))}
-        for spare in sorted(self.dir.glob("spare.*")):
-            if _inode(spare) in used:
-                spare.unlink(missing_ok=True)  # only a second name of a file in use
-                continue
-            os.rename(spare, path)
-            self.spares_used += 1
-            return
+    def _open_writer(self, size: int) -> None:
+        self._writer = open_writer(self.path, size, self.direct_io)
+        self._files.overwrites = self._writer.direct  # page-cache appends go to a file's end: no spares
 
     def _check_format(
         self, records: list[tuple[Kind, memoryview, int]]
@@ -492,9 +433,9 @@ class Journal:
         referred = {parse_ref(payload)[0] for kind, payload in records if kind is Kind.REF}
         tmp = self.path.with_suffix(".log.tmp")
         tmp.unlink(missing_ok=True)
-        self._spare_for(tmp)  # before the file being replaced may become a spare itself
+        self._files.spare_for(tmp)  # before the file being replaced may become a spare itself
         # The file being replaced keeps a name of its own: the live groups in it stay there (whole on
-        # disk); if none, _forget_segments below keeps it as a spare or deletes it a slice at a time
+        # disk); if none, JournalFiles.forget below keeps it as a spare or deletes it a slice at a time
         # (the rename would free its blocks at once, on this thread).
         with self._io:
             if self._writing_id in referred:
@@ -514,16 +455,18 @@ class Journal:
         finally:
             size = writer.size
             writer.close()
-        _fsync_path(tmp)
+        fsync_path(tmp)
         with self._io:
             os.replace(tmp, self.path)
-            _fsync_path(self.dir)
+            fsync_path(self.dir)
             self._writer.close()
-            self._writer = open_writer(self.path, size, self.direct_io)
+            self._open_writer(size)
             self._writing_id = file_id
             self._mask = mask
             self._dirty = False
-        self._forget_segments(referred, wait=False)
+        unlinking = self._files.forget(referred, wait=False)
+        if unlinking is not None:
+            self._threads.append(unlinking)  # close() waits for it
         self.compacting = False
 
     def _sync_loop(self) -> None:
@@ -565,39 +508,3 @@ def _name_os_thread(name: str) -> None:
         libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
     except (OSError, AttributeError):
         pass
-
-
-def _inode(path: Path) -> tuple[int, int] | None:
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def _delete_in_slices(path: Path, step: int) -> None:
-    """Truncate ``path`` by ``step`` bytes at a time, pausing between slices, then unlink it (step 0: at
-    once). A file system mounted with ``discard`` trims freed blocks as they are freed: unlinking a file of
-    hundreds of MB in one go took 120-140 ms here, and the appends behind it stalled 50-90 ms."""
-    if step:
-        try:
-            fd = os.open(path, os.O_WRONLY)
-        except OSError:
-            return
-        try:
-            size = os.fstat(fd).st_size
-            while size > step:
-                size -= step
-                os.ftruncate(fd, size)
-                time.sleep(DELETE_PAUSE_S)
-        finally:
-            os.close(fd)
-    path.unlink(missing_ok=True)
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

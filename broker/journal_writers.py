@@ -95,7 +95,7 @@ class DirectWriter:
     def close(self) -> None:
         if os.fstat(self.fd).st_size <= -(-self.size // self.BLOCK) * self.BLOCK:
             os.ftruncate(self.fd, self.size)  # drop the zero padding
-        # else a spare written over (Journal._spare_for): what it held before stays after the records,
+        # else a spare written over (JournalFiles.spare_for): what it held before stays after the records,
         # unread (its checksums do not match this file's mask); truncating would free the blocks
         os.close(self.fd)
         self.view.release()
