@@ -38,7 +38,8 @@ from tidal.broker.protocol import (
 )
 from tidal.broker.source import PromptSource
 from tidal.broker.state_records import Counters, CutBatch, LeaseState, Node, StoredGroup
-from tidal.broker.state_snapshot import load_snapshot, snapshot_records
+from tidal.broker.state_replay import replay_records
+from tidal.broker.state_snapshot import snapshot_records
 from tidal.broker.state_stats import ThroughputWindow, state_stats
 from tidal.broker.types import Lease, PromptGroup
 
@@ -47,10 +48,6 @@ log = logging.getLogger(__name__)
 
 def _pack(obj: Any) -> bytes:
     return msgpack.packb(obj)
-
-
-def _unpack(payload: memoryview) -> Any:
-    return msgpack.unpackb(payload, raw=False, strict_map_key=False)
 
 
 def _close_arena(node: Node) -> None:
@@ -66,7 +63,7 @@ class BrokerState:
         self.journal = journal
         self.requeue: deque[str] = deque()
         self.outstanding: dict[str, None] = {}  # taken from the source, not yet resolved (ordered set)
-        # failed sampling attempts of outstanding groups; not journaled: a restarted broker counts afresh
+        # failed sampling attempts of outstanding groups (journaled as ATTEMPTS from journal format 5)
         self.failures: Counter[str] = Counter()
         self.leases: dict[str, LeaseState] = {}
         self.nodes: dict[str, Node] = {}
@@ -109,62 +106,10 @@ class BrokerState:
     def replay(
         self, records: list[tuple[Kind, memoryview]], locs: list[tuple[str, int] | None] | None = None
     ) -> None:
-        """Rebuild the state from the journal; leases do not survive a restart, their prompts are re-queued.
-        ``locs``: where each record's payload lies (the journal's ``replayed_locs``), for the groups."""
-        for i, (kind, payload) in enumerate(records):
-            loc = locs[i] if locs else None
-            if kind is Kind.GROUP:
-                info = inspect_group(payload)
-                self.outstanding.pop(info.group_id, None)
-                self.failures.pop(info.group_id, None)
-                self._accept(StoredGroup(info, payload, loc), now=None)
-            elif kind is Kind.RESTORE:
-                stored = StoredGroup(inspect_group(payload), payload, loc)
-                gid = stored.info.group_id
-                (self.buffer if gid in self.buffer else self.batch_store)[gid] = stored
-            else:
-                self._apply(kind, _unpack(payload))
-        missing = [g for g, s in {**self.buffer, **self.batch_store}.items() if s is None]
-        if missing:
-            raise RuntimeError(
-                f"journal {self.journal.path}: snapshot names groups it does not hold: {missing[:5]}"
-            )
-        self.requeue.extend(self.outstanding)
-        if self.journal is not None:
-            self.source.check_resumable(
-                self.journaled_source,
-                [*self.outstanding, *self.buffer, *self.batch_store],
-                str(self.journal.path),
-                self.cfg.data.path,
-            )
-
-    def _apply(self, kind: Kind, d: dict[str, Any]) -> None:
-        if kind is Kind.TAKE:
-            self.journaled_source = d.get("source", self.journaled_source)
-            self.outstanding.update(dict.fromkeys(d["ids"]))
-            self.source.seek(d["epoch"], d["pos"])
-        elif kind is Kind.DROP:
-            self.outstanding.pop(d["id"], None)
-            self.failures.pop(d["id"], None)
-            if d["reason"] == "stale":
-                self.buffer.pop(d["id"], None)
-                self.accepted_live -= 1
-                self.counters.dropped_stale_groups += 1
-            elif d["reason"] == "failed":
-                self.counters.failed_groups += 1
-            else:
-                self.counters.filtered_groups += 1
-        elif kind is Kind.BATCH:
-            self._cut(CutBatch(d["batch_id"], d["ids"], d["version"]))
-        elif kind is Kind.CONSUMED:
-            self._forget_through(d["batch_id"])
-        elif kind is Kind.VERSION:
-            self.version = d["version"]
-            self.run_model.load(d)  # the trainer's model, where a trainer's registration wrote it
-        elif kind is Kind.SNAPSHOT:
-            load_snapshot(self, d)
-        elif kind is Kind.ATTEMPTS:
-            dict.update(self.failures, d)  # the counts as they stood (Counter.update would add them)
+        """Rebuild the state from the journal (broker/state_replay.py); leases do not survive a restart,
+        their prompts are re-queued. ``locs``: where each record's payload lies (the journal's
+        ``replayed_locs``), for the groups."""
+        replay_records(self, records, locs)
 
     # ------------------------------------------------------------- membership
     def register(
