@@ -49,6 +49,10 @@ class JournalAudit:
     failing: int = 0  # of those, groups with failed sampling attempts (ATTEMPTS records, format 5)
     buffered: int = 0  # accepted, not yet in a batch
     compacted: bool = False
+    # The whole run's figures (taken, accepted, dropped_stale, filtered, failed, batches, batched): after a compaction
+    # the snapshot's counters, which count from the run's start, plus the records that follow; otherwise the
+    # figures above (accepted counting records).
+    run: dict[str, int] = field(default_factory=dict)
     accepted_twice: list[str] = field(default_factory=list)
     batched_twice: list[str] = field(default_factory=list)
     batched_unaccepted: list[str] = field(default_factory=list)
@@ -147,6 +151,8 @@ def _audit(log: Path, data: memoryview) -> JournalAudit:
     batched: set[str] = set()
     refs: list[tuple[str, int, int]] = []
     failures: dict[str, int] = {}
+    before: dict[str, int] = dict.fromkeys(RUN_FIGURES, 0)  # the compaction snapshot's run totals
+    accepted_records = 0
     for kind, payload in records:
         if kind is Kind.FORMAT:
             audit.format, audit.file_id = parse_format(payload)
@@ -161,6 +167,7 @@ def _audit(log: Path, data: memoryview) -> JournalAudit:
             if gid in accepted:
                 audit.accepted_twice.append(gid)
             accepted.add(gid)
+            accepted_records += 1
             buffered.add(gid)
             outstanding.discard(gid)
             failures.pop(gid, None)
@@ -202,6 +209,7 @@ def _audit(log: Path, data: memoryview) -> JournalAudit:
             audit.cursor = tuple(snap["cursor"])
             audit.policy_version = snap["version"]
             audit.source = snap.get("source")
+            before = _run_totals(snap)
         elif kind is Kind.REF:
             refs.append(parse_ref(payload))
         elif kind is Kind.ATTEMPTS:
@@ -218,4 +226,36 @@ def _audit(log: Path, data: memoryview) -> JournalAudit:
     audit.outstanding = len(outstanding)
     audit.failing = sum(1 for gid in failures if gid in outstanding)
     audit.buffered = len(buffered)
+    audit.run = {
+        "taken": before["taken"] + audit.taken,
+        "accepted": before["accepted"] + accepted_records,
+        "dropped_stale": before["dropped_stale"] + audit.dropped_stale,
+        "filtered": before["filtered"] + audit.filtered,
+        "failed": before["failed"] + audit.failed,
+        # ids run consecutively from 0 (problems says where not)
+        "batches": audit.batches[-1] + 1 if audit.batches else before["batches"],
+    }
+    # an accepted group is batched, dropped as stale or still buffered
+    audit.run["batched"] = audit.run["accepted"] - audit.run["dropped_stale"] - audit.buffered
     return audit
+
+
+RUN_FIGURES = ("taken", "accepted", "dropped_stale", "filtered", "failed", "batches")  # before "batched"
+
+
+def _run_totals(snap: dict) -> dict[str, int]:
+    """The run's figures up to a compaction, from its snapshot: the broker's counters (restored from every
+    earlier snapshot and record, so they count from the run's start; keys an earlier tidal did not write
+    read as 0) and the groups still out on leases, which were taken but neither accepted nor dropped."""
+    c = snap["counters"]
+    accepted, filtered, failed = (
+        c.get(k, 0) for k in ("accepted_groups", "filtered_groups", "failed_groups")
+    )
+    return {
+        "taken": accepted + filtered + failed + len(snap["outstanding"]),
+        "accepted": accepted,
+        "dropped_stale": c.get("dropped_stale_groups", 0),
+        "filtered": filtered,
+        "failed": failed,
+        "batches": snap["next_batch_id"],
+    }

@@ -585,8 +585,9 @@ def print_report(results: dict) -> None:
     j = results.get("journal")
     if j:
         verdict = "; ".join(j["problems"]) or "no group lost or trained twice"
+        r = j["run"]  # the whole run's figures, also where compaction replaced the early records
         print(
-            f"journal: {j['taken']} groups taken, {j['accepted']} accepted, {j['batched']} in "
-            f"{len(j['batches'])} batches, {j['dropped_stale']} dropped stale, {j['filtered']} filtered "
-            f"(dynamic sampling), {j['failed']} failed, {j['outstanding']} in flight at the end: {verdict}"
+            f"journal: {r['taken']} groups taken, {r['accepted']} accepted, {r['batched']} in "
+            f"{r['batches']} batches, {r['dropped_stale']} dropped stale, {r['filtered']} filtered "
+            f"(dynamic sampling), {r['failed']} failed, {j['outstanding']} in flight at the end: {verdict}"
         )

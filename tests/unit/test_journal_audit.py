@@ -58,6 +58,16 @@ def test_the_audit_follows_groups_journaled_packed_or_plain_through_batches(tmp_
     assert audit.records["TAKE"] == 1 and audit.records["BATCH"] == 1 and audit.records["CONSUMED"] == 1
     assert audit.cursor == (0, 4) and audit.unconsumed_batches == 0
     assert audit.good_bytes <= audit.bytes and audit.tail_is_padding
+    # uncompacted, the whole run's figures are the ones above
+    assert audit.run == {
+        "taken": 4,
+        "accepted": 4,
+        "dropped_stale": 0,
+        "filtered": 0,
+        "failed": 0,
+        "batches": 1,
+        "batched": 2,
+    }
 
 
 def _history(tmp_path, **journal_settings):
@@ -107,8 +117,26 @@ def test_tidal_journal_after_a_compaction_checks_the_files_it_refers_to(tmp_path
     assert tidal(["journal", str(tmp_path / "journal"), "--format=json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["compacted"] and d["refs"] == 4 and d["buffered"] == 4 and d["problems"] == []
+    # the whole run, from the snapshot's counters: 6 taken and accepted, batch 0 of 2 groups
+    assert d["run"] == {
+        "taken": 6,
+        "accepted": 6,
+        "dropped_stale": 0,
+        "filtered": 0,
+        "failed": 0,
+        "batches": 1,
+        "batched": 2,
+    }
     assert tidal(["journal", str(tmp_path), "--format=json"]) == 0  # the run directory holding journal/
     assert json.loads(capsys.readouterr().out) == d
+
+    # records after the compaction add to the snapshot's figures
+    state.get_batch(0, None)
+    state.journal.flush()
+    assert tidal(["journal", str(tmp_path / "journal")]) == 0
+    out = capsys.readouterr().out
+    assert "the whole run (the compaction snapshot's counters and what follows): 6 taken, 6 accepted" in out
+    assert "4 in 2 batches" in out
 
     kept[0].unlink()  # what a broker would refuse to start on
     assert tidal(["journal", str(tmp_path / "journal")]) == 1
