@@ -49,9 +49,9 @@ class JournalAudit:
     failing: int = 0  # of those, groups with failed sampling attempts (ATTEMPTS records, format 5)
     buffered: int = 0  # accepted, not yet in a batch
     compacted: bool = False
-    # The whole run's figures (taken, accepted, dropped_stale, filtered, failed, batches, batched): after a compaction
-    # the snapshot's counters, which count from the run's start, plus the records that follow; otherwise the
-    # figures above (accepted counting records).
+    # The whole run's figures (taken, accepted, dropped_stale, filtered, failed, batches, batched): after a
+    # compaction the snapshot's counters, which count from the run's start, plus the records that follow;
+    # otherwise the figures above (accepted counting records).
     run: dict[str, int] = field(default_factory=dict)
     accepted_twice: list[str] = field(default_factory=list)
     batched_twice: list[str] = field(default_factory=list)
@@ -151,7 +151,7 @@ def _audit(log: Path, data: memoryview) -> JournalAudit:
     batched: set[str] = set()
     refs: list[tuple[str, int, int]] = []
     failures: dict[str, int] = {}
-    before: dict[str, int] = dict.fromkeys(RUN_FIGURES, 0)  # the compaction snapshot's run totals
+    before = dict.fromkeys(RUN_FIGURES, 0)  # the run's figures up to the compaction snapshot, if any
     accepted_records = 0
     for kind, payload in records:
         if kind is Kind.FORMAT:
@@ -240,7 +240,7 @@ def _audit(log: Path, data: memoryview) -> JournalAudit:
     return audit
 
 
-RUN_FIGURES = ("taken", "accepted", "dropped_stale", "filtered", "failed", "batches")  # before "batched"
+RUN_FIGURES = ("taken", "accepted", "dropped_stale", "filtered", "failed", "batches")
 
 
 def _run_totals(snap: dict) -> dict[str, int]:

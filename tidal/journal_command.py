@@ -44,6 +44,15 @@ def audit_lines(a: JournalAudit) -> list[str]:
     batches = f"{len(a.batches):,} batches ({a.batches[0]}-{a.batches[-1]})" if a.batches else "0 batches"
     since = " since the compaction (its snapshot's live groups count as accepted)" if a.compacted else ""
     r = a.run
+    whole_run = (
+        [
+            f"  the whole run (the compaction snapshot's counters and what follows): {r['taken']:,} taken, "
+            f"{r['accepted']:,} accepted, {r['dropped_stale']:,} dropped as stale, {r['filtered']:,} "
+            f"filtered, {r['failed']:,} dropped as failed, {r['batched']:,} in {r['batches']:,} batches"
+        ]
+        if a.compacted
+        else []
+    )
     cursor = f"epoch {a.cursor[0]}, position {a.cursor[1]}" if a.cursor else "not moved"
     lines = [
         f"journal {a.path}: {fmt}, {a.bytes:,} bytes, {tail_text}",
@@ -52,15 +61,7 @@ def audit_lines(a: JournalAudit) -> list[str]:
         f"  groups{since}: {a.taken:,} taken from the prompt source, {a.accepted:,} accepted, "
         f"{a.dropped_stale:,} dropped as stale, {a.filtered:,} filtered, {a.failed:,} dropped as failed, "
         f"{a.batched:,} in {batches}",
-        *(
-            [
-                f"  the whole run (the compaction snapshot's counters and what follows): {r['taken']:,} taken, "
-                f"{r['accepted']:,} accepted, {r['dropped_stale']:,} dropped as stale, {r['filtered']:,} "
-                f"filtered, {r['failed']:,} dropped as failed, {r['batched']:,} in {r['batches']:,} batches"
-            ]
-            if a.compacted
-            else []
-        ),
+        *whole_run,
         f"  trainer: consumed through batch {a.consumed_through}, policy version "
         f"{'none published' if a.policy_version is None else a.policy_version}; "
         f"prompt cursor {cursor}",
