@@ -104,7 +104,7 @@ def _broker(port: int, journal_dir: str, s: Setup, ready, stopped, cpu) -> None:
         loop = asyncio.get_running_loop()
         journal = DirectWriter(Path(journal_dir) / "journal.log", 0)
         rings: dict[str, np.ndarray] = {}
-        buffered: deque[Any] = deque()  # accepted groups: ring spans, or the frames that came in
+        buffered: deque[Any] = deque()  # accepted groups: where their frames lie, or the frames themselves
         staged: list[Any] = []  # journal parts of this wake-up
         acks: dict[bytes, int] = {}  # producer -> last submit handled in this wake-up
         credit: dict[bytes, int] = {}
@@ -129,11 +129,11 @@ def _broker(port: int, journal_dir: str, s: Setup, ready, stopped, cpu) -> None:
                 credit[peer] = c
 
         def accept(peer: bytes, frame: Any, where: Any) -> None:
-            info = inspect_group(frame)
+            inspect_group(frame)  # the broker's check of every frame
             payload = memoryview(frame.buffer if isinstance(frame, zmq.Frame) else frame)
             head = len(payload).to_bytes(4, "little") + crc32(payload).to_bytes(4, "little")
             staged.extend((head, payload))
-            buffered.append((info.group_id, where))
+            buffered.append(where)
             counts["leased"] -= 1
             counts["accepted"] += 1
             credit[peer] += 1
@@ -164,7 +164,7 @@ def _broker(port: int, journal_dir: str, s: Setup, ready, stopped, cpu) -> None:
         def cut_batches() -> None:
             while waiting and len(buffered) >= s.batch_groups:
                 peer, rid = waiting.popleft()
-                groups = [buffered.popleft()[1] for _ in range(s.batch_groups)]
+                groups = [buffered.popleft() for _ in range(s.batch_groups)]
                 staged.append(pack(["batch", counts["batch"]]))
                 head = {"t": "batch", "id": rid, "batch": counts["batch"]}
                 if s.shared_memory:
@@ -177,21 +177,26 @@ def _broker(port: int, journal_dir: str, s: Setup, ready, stopped, cpu) -> None:
             scheduled[0] = False
             if sock.closed:
                 return
-            for _ in range(DRAIN_BATCH):
+            received = 0
+            while received < DRAIN_BATCH:
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
                 handle(frames[0].bytes, frames[1:])
+                received += 1
+            sent = counts["batch"] + counts["taken"]
             cut_batches()
             if staged:  # durable before any acknowledgement of what it holds
                 journal.write(staged)
                 staged.clear()
             for peer, through in acks.items():
                 sock.send_multipart([peer, pack({"t": "ack", "through": through})], copy=False)
-            acks.clear()
             push_leases()
-            kick()  # a send may have consumed the edge of a message that arrived meanwhile
+            # more may be waiting, or a send may have consumed the edge of a message that arrived meanwhile
+            if received == DRAIN_BATCH or acks or counts["batch"] + counts["taken"] != sent:
+                kick()
+            acks.clear()
 
         def kick() -> None:
             if not scheduled[0]:
