@@ -31,6 +31,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from tidal.broker import native_codec
 from tidal.broker.protocol import BAD_GROUP, ProtocolError
 from tidal.broker.types import Group, Lease, PromptGroup, PromptRow, Sample
 
@@ -78,10 +79,27 @@ def _little(dt: np.dtype) -> np.dtype:
     return dt.newbyteorder("<") if dt.byteorder == ">" else dt
 
 
-def encode_group(group: Group, alloc: Callable[[int], np.ndarray] | None = None) -> np.ndarray:
+@functools.cache
+def _native() -> Any:
+    """The C hot paths (``native_codec.c``), configured; None where they cannot be built."""
+    module, _ = native_codec.load()
+    if module is not None:
+        module.configure(_DTYPES, np.empty, np.uint8, msgpack.packb)
+    return module
+
+
+def encode_group(
+    group: Group, alloc: Callable[[int], np.ndarray] | None = None, *, native: bool = True
+) -> np.ndarray:
     """One frame (a uint8 array) holding the whole group; each array is copied once, into the frame.
 
-    ``alloc(nbytes)`` may supply the memory (a uint8 array of at least ``nbytes``), e.g. a reused buffer."""
+    ``alloc(nbytes)`` may supply the memory (a uint8 array of at least ``nbytes``), e.g. a reused buffer.
+    ``native=False`` runs the Python code alone (the reference the C code must equal)."""
+    module = _native() if native else None
+    if module is not None:
+        frame = module.encode(group, alloc)
+        if frame is not None:
+            return frame
     ss = group.samples
     n = len(ss)
     # Per-sample columns are packed with struct (a handful of values: cheaper than numpy calls).
@@ -146,9 +164,19 @@ def _as_buffer(frame: Any) -> memoryview:
 class _Frame:
     """A validated group frame: the header, and where each array lies (dtype, count, byte offset)."""
 
-    __slots__ = ("buf", "gid", "meta", "n", "prompt_lens", "response_lens", "rewards", "specs")
+    __slots__ = (
+        "buf",
+        "gid",
+        "meta",
+        "n",
+        "prompt_lens",
+        "response_lens",
+        "rewards",
+        "specs",
+        "version_range",
+    )
 
-    def __init__(self, frame: Any):
+    def __init__(self, frame: Any, *, native: bool = True, want_versions: bool = False):
         buf = self.buf = _as_buffer(frame)
         if len(buf) < _HEADER_LEN.size:
             raise ProtocolError(
@@ -172,7 +200,19 @@ class _Frame:
             raise ProtocolError(BAD_GROUP, f"group {gid!r}: 'arrays' must be a map")
         self.gid, self.n, self.meta = gid, n, header.get("meta")
         start = _HEADER_LEN.size + hlen
-        self.specs = self._specs(arrays, start + _pad(start))
+        data_start = start + _pad(start)
+        self.version_range: tuple[int, int] | None = None
+        module = _native() if native and n <= len(buf) else None
+        if module is not None:
+            # the C checks accept exactly what the Python ones below accept; where they refuse, the Python
+            # checks run to raise the error with its message
+            checked = module.layout(buf, data_start, n, arrays, want_versions)
+            if checked is not None:
+                self.specs, self.prompt_lens, self.response_lens, self.rewards, low, high = checked
+                if want_versions:
+                    self.version_range = (low, high)
+                return
+        self.specs = self._specs(arrays, data_start)
         self._check_samples()
 
     def _specs(self, arrays: dict[Any, Any], data_start: int) -> dict[str, tuple[np.dtype, int, int]]:
@@ -246,9 +286,9 @@ def _struct(count: int, code: str) -> struct.Struct:
     return struct.Struct(f"<{count}{code}")
 
 
-def decode_group(frame: Any) -> Group:
+def decode_group(frame: Any, *, native: bool = True) -> Group:
     """Zero-copy decode: the arrays are read-only views into ``frame``."""
-    f = _Frame(frame)
+    f = _Frame(frame, native=native)
     try:
         finish_reasons, metas = msgpack.unpackb(f.column(SAMPLE_INFO), raw=False)
         if not (len(finish_reasons) == len(metas) == f.n):
@@ -264,6 +304,15 @@ def decode_group(frame: Any) -> Group:
     rewards = f.rewards
     prompt_ids, response_ids = cols["prompt_ids"], cols["response_ids"]
     logprobs, versions, mask = cols["logprobs"], cols["versions"], cols.get("loss_mask")
+    group_meta = f.meta if isinstance(f.meta, dict) else {}
+    module = _native() if native else None
+    if module is not None:
+        # Sample objects made as dataclass instances with their fields set (Sample has no __post_init__)
+        samples = module.samples(
+            Sample, prompt_ids, response_ids, logprobs, versions, mask, f.prompt_lens, f.response_lens,
+            rewards, finish_reasons, metas,
+        )  # fmt: skip
+        return Group(group_id=f.gid, samples=samples, meta=group_meta)
     samples = []
     p0 = r0 = 0
     for i in range(f.n):
@@ -282,16 +331,26 @@ def decode_group(frame: Any) -> Group:
             )
         )
         p0, r0 = p1, r1
-    meta = f.meta or {}
-    return Group(group_id=f.gid, samples=samples, meta=meta if isinstance(meta, dict) else {})
+    return Group(group_id=f.gid, samples=samples, meta=group_meta)
 
 
-def inspect_group(frame: Any) -> GroupInfo:
+def inspect_group(frame: Any, *, native: bool = True) -> GroupInfo:
     """Validate a frame as :func:`decode_group` does (all but the opaque per-sample metadata, which only
     the trainer reads) and summarise it for the broker, in a few operations per group."""
-    f = _Frame(frame)
-    versions = f.column("versions")
+    f = _Frame(frame, native=native, want_versions=True)
     dt, count, begin = f.specs["versions"]
+    if f.version_range is not None:
+        low, high = f.version_range
+        return GroupInfo(
+            group_id=f.gid,
+            num_samples=f.n,
+            rewards=list(f.rewards),
+            min_version=low,
+            num_tokens=f.specs["response_ids"][1],
+            max_version=high,
+            versions_at=(begin, count, dt),
+        )
+    versions = f.column("versions")
     # A sample without response tokens has no version; such a group counts as current (version 0 floor).
     # (np.minimum.reduce: no np.min wrapper)
     return GroupInfo(

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import signal
 
+from tidal.broker import native_codec
 from tidal.broker.journal import Journal
 from tidal.broker.journal_lock import lock_journal_dir
 from tidal.broker.local_memory import allow_memory_reads
@@ -71,6 +72,8 @@ async def _serve(config) -> None:
         log.info("heap on huge pages, %d MiB faulted in", heap >> 20)
     if config.broker.memory_reads and not allow_memory_reads():
         log.info("no Yama ptrace exception set: local consumers read this broker's memory only where allowed")
+    codec, how = native_codec.load()
+    log.info("group codec: %s", how if codec is not None else f"Python only ({how})")
     state = build_state(config)
     tune_gc()
     server = BrokerServer(config.broker, state)

@@ -20,13 +20,14 @@ import ctypes
 import hashlib
 import os
 import platform
-import shutil
 import subprocess
 import tempfile
 from functools import cache
 from pathlib import Path
 
 import torch
+
+from tidal.native_cache import cache_dir, compiler
 
 ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mavx2", "-mfma"],
@@ -35,20 +36,6 @@ ISA_FLAGS = {
 _COMPILE_FLAGS = ["-O3", "-ffast-math", "-fPIC", "-c"]
 _LINK_FLAGS = ["-shared"]
 ISA_ENV = "TIDAL_NATIVE_ISA"
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("TIDAL_KERNEL_CACHE")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tidal" / "kernels"
-
-
-def compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
 
 
 def host_isa() -> tuple[str | None, str]:

@@ -1,0 +1,599 @@
+/* The group codec's hot paths in C (CPython C API), for tidal.broker.codec.
+
+   codec.py is the reference: every rule here is one of its rules, and where this code meets anything
+   outside the common case (an array that is not a contiguous 1-D buffer, mixed dtypes in a column, some
+   samples with a loss mask and some without, a frame that breaks a rule) it returns None and the Python
+   code runs instead, which builds the frame or raises the error with its message. Tests check that both
+   give the same bytes, accept the same frames and decode to the same samples.
+
+   encode(group, alloc)            -> uint8 array (the frame), or None
+   layout(buf, data_start, n, arrays, want_versions)
+                                   -> (specs, prompt_lens, response_lens, rewards, vmin, vmax), or None
+   samples(cls, columns, prompt_lens, response_lens, rewards, finish_reasons, metas)
+                                   -> [Sample, ...] (views of the columns, no copies)
+*/
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+enum { REWARDS, PROMPT_LENS, RESPONSE_LENS, SAMPLE_INFO, PROMPT_IDS, RESPONSE_IDS, LOGPROBS, VERSIONS,
+       LOSS_MASK, NUM_KNOWN };
+static const char *NAMES[NUM_KNOWN] = {"rewards",      "prompt_lens", "response_lens",
+                                       "sample_info",  "prompt_ids",  "response_ids",
+                                       "logprobs",     "versions",    "loss_mask"};
+#define FIRST_COLUMN PROMPT_IDS
+#define NUM_COLUMNS (NUM_KNOWN - FIRST_COLUMN) /* prompt_ids, response_ids, logprobs, versions, loss_mask */
+
+static PyObject *name_objs[NUM_KNOWN]; /* interned names */
+static PyObject *known_index;          /* {name: index} */
+static PyObject *dtype_objs;           /* {"<i4": np.dtype("<i4"), ...}: the allowed dtypes */
+static PyObject *np_empty, *np_uint8, *packb;
+static PyObject *s_samples, *s_group_id, *s_meta, *s_reward, *s_finish_reason;
+
+/* ---- dtypes ---- */
+
+/* The dtype string of a buffer's format, as numpy names it, if it is an allowed one; NULL otherwise. */
+static const char *dtype_of(const Py_buffer *v) {
+    const char *f = v->format ? v->format : "B";
+    if (*f == '@' || *f == '=' || *f == '<') f++;
+    if (f[0] == '\0' || f[1] != '\0') return NULL;
+    switch (f[0]) {
+    case 'b': return v->itemsize == 1 ? "|i1" : NULL;
+    case 'B': return v->itemsize == 1 ? "|u1" : NULL;
+    case '?': return v->itemsize == 1 ? "|b1" : NULL;
+    case 'h': return v->itemsize == 2 ? "<i2" : NULL;
+    case 'H': return v->itemsize == 2 ? "<u2" : NULL;
+    case 'i': case 'l': case 'q':
+        return v->itemsize == 4 ? "<i4" : v->itemsize == 8 ? "<i8" : NULL;
+    case 'e': return v->itemsize == 2 ? "<f2" : NULL;
+    case 'f': return v->itemsize == 4 ? "<f4" : NULL;
+    case 'd': return v->itemsize == 8 ? "<f8" : NULL;
+    default: return NULL;
+    }
+}
+
+static char kind_of(const char *dtype) { return dtype[1]; } /* "<i4" -> 'i', "|u1" -> 'u', "<f8" -> 'f' */
+static int size_of(const char *dtype) { return dtype[2] - '0'; }
+
+/* ---- msgpack, as msgpack-python packs these values (use_bin_type=True) ---- */
+
+static size_t uint_size(unsigned long long x) {
+    return x < 128 ? 1 : x < 256 ? 2 : x < 65536 ? 3 : x < 4294967296ULL ? 5 : 9;
+}
+static size_t str_size(size_t len) {
+    return len + (len < 32 ? 1 : len < 256 ? 2 : len < 65536 ? 3 : 5);
+}
+static char *put_uint(char *p, unsigned long long x) {
+    if (x < 128) { *p++ = (char)x; return p; }
+    int bytes;
+    if (x < 256) { *p++ = (char)0xcc; bytes = 1; }
+    else if (x < 65536) { *p++ = (char)0xcd; bytes = 2; }
+    else if (x < 4294967296ULL) { *p++ = (char)0xce; bytes = 4; }
+    else { *p++ = (char)0xcf; bytes = 8; }
+    for (int i = bytes - 1; i >= 0; i--) *p++ = (char)(x >> (8 * i));
+    return p;
+}
+static char *put_str(char *p, const char *s, size_t len) {
+    if (len < 32) *p++ = (char)(0xa0 | len);
+    else if (len < 256) { *p++ = (char)0xd9; *p++ = (char)len; }
+    else if (len < 65536) { *p++ = (char)0xda; *p++ = (char)(len >> 8); *p++ = (char)len; }
+    else {
+        *p++ = (char)0xdb;
+        for (int i = 3; i >= 0; i--) *p++ = (char)(len >> (8 * i));
+    }
+    memcpy(p, s, len);
+    return p + len;
+}
+
+/* ---- encode ---- */
+
+static Py_ssize_t pad8(Py_ssize_t n) { return (8 - n % 8) % 8; }
+
+typedef struct {
+    int present;
+    const char *dtype;
+    Py_ssize_t count, offset;
+} Column;
+
+/* The frame of a group, as codec.encode_group builds it; None where that code must run instead. */
+static PyObject *encode(PyObject *self, PyObject *args) {
+    PyObject *group, *alloc;
+    if (!PyArg_ParseTuple(args, "OO", &group, &alloc)) return NULL;
+    PyObject *result = NULL, *samples = NULL, *gid = NULL, *meta = NULL, *meta_packed = NULL;
+    PyObject *info = NULL, *reasons = NULL, *metas = NULL, *out = NULL;
+    Py_buffer *views = NULL, outview = {0};
+    int *have = NULL;
+    double *rewards = NULL;
+    int32_t *lens = NULL;
+    Py_ssize_t n = 0;
+
+    samples = PyObject_GetAttr(group, s_samples);
+    gid = samples ? PyObject_GetAttr(group, s_group_id) : NULL;
+    meta = gid ? PyObject_GetAttr(group, s_meta) : NULL;
+    if (!meta || !PyList_CheckExact(samples) || !PyUnicode_CheckExact(gid)) goto fallback;
+    n = PyList_GET_SIZE(samples);
+    if (n < 1) goto fallback;
+    Py_ssize_t gid_len;
+    const char *gid_utf8 = PyUnicode_AsUTF8AndSize(gid, &gid_len);
+    if (!gid_utf8) goto fallback;
+
+    views = PyMem_Calloc((size_t)n * NUM_COLUMNS, sizeof(Py_buffer));
+    have = PyMem_Calloc((size_t)n * NUM_COLUMNS, sizeof(int));
+    rewards = PyMem_Malloc((size_t)n * sizeof(double));
+    lens = PyMem_Malloc((size_t)n * 2 * sizeof(int32_t));
+    reasons = PyList_New(n);
+    metas = PyList_New(n);
+    if (!views || !have || !rewards || !lens || !reasons || !metas) goto fallback;
+
+    Column cols[NUM_COLUMNS] = {{0}};
+    int masks = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *s = PyList_GET_ITEM(samples, i);
+        for (int c = 0; c < NUM_COLUMNS; c++) {
+            PyObject *a = PyObject_GetAttr(s, name_objs[FIRST_COLUMN + c]);
+            if (!a) goto fallback;
+            if (a == Py_None && FIRST_COLUMN + c == LOSS_MASK) { Py_DECREF(a); continue; }
+            Py_buffer *v = &views[i * NUM_COLUMNS + c];
+            int got = PyObject_GetBuffer(a, v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT);
+            Py_DECREF(a);
+            if (got < 0) goto fallback;
+            have[i * NUM_COLUMNS + c] = 1;
+            const char *dt = dtype_of(v);
+            if (v->ndim != 1 || dt == NULL) goto fallback;
+            if (cols[c].dtype == NULL) {
+                if (i != 0) goto fallback; /* a loss mask after samples without one */
+                cols[c].dtype = dt;
+            } else if (strcmp(cols[c].dtype, dt)) {
+                goto fallback; /* mixed dtypes: numpy's result_type decides */
+            }
+            cols[c].count += v->shape[0];
+            if (FIRST_COLUMN + c == LOSS_MASK) masks++;
+        }
+        if (masks != 0 && masks != i + 1) goto fallback; /* some masks missing: codec.py fills in ones */
+        if (views[i * NUM_COLUMNS].shape[0] > INT32_MAX || views[i * NUM_COLUMNS + 1].shape[0] > INT32_MAX)
+            goto fallback;
+        lens[i] = (int32_t)views[i * NUM_COLUMNS].shape[0];
+        lens[n + i] = (int32_t)views[i * NUM_COLUMNS + 1].shape[0];
+        PyObject *r = PyObject_GetAttr(s, s_reward);
+        if (!r) goto fallback;
+        rewards[i] = PyFloat_AsDouble(r);
+        Py_DECREF(r);
+        if (rewards[i] == -1.0 && PyErr_Occurred()) goto fallback;
+        PyObject *fr = PyObject_GetAttr(s, s_finish_reason);
+        if (!fr) goto fallback;
+        PyList_SET_ITEM(reasons, i, fr);
+        PyObject *m = PyObject_GetAttr(s, s_meta);
+        if (!m) goto fallback;
+        PyList_SET_ITEM(metas, i, m);
+    }
+    for (int c = 0; c < NUM_COLUMNS; c++) cols[c].present = FIRST_COLUMN + c != LOSS_MASK || masks > 0;
+
+    {
+        PyObject *pair = PyList_New(2);
+        if (!pair) goto fallback;
+        Py_INCREF(reasons); PyList_SET_ITEM(pair, 0, reasons);
+        Py_INCREF(metas); PyList_SET_ITEM(pair, 1, metas);
+        info = PyObject_CallOneArg(packb, pair);
+        Py_DECREF(pair);
+    }
+    meta_packed = info ? PyObject_CallOneArg(packb, meta) : NULL;
+    if (!meta_packed || !PyBytes_CheckExact(info) || !PyBytes_CheckExact(meta_packed)) goto fallback;
+    Py_ssize_t info_len = PyBytes_GET_SIZE(info);
+
+    /* where everything lies in the data region */
+    Py_ssize_t offsets[4], off = 0;
+    offsets[0] = off; off += 8 * n;
+    offsets[1] = off; off += 4 * n + pad8(4 * n);
+    offsets[2] = off; off += 4 * n + pad8(4 * n);
+    offsets[3] = off; off += info_len + pad8(info_len);
+    int num_arrays = 4;
+    for (int c = 0; c < NUM_COLUMNS; c++) {
+        if (!cols[c].present) continue;
+        num_arrays++;
+        cols[c].offset = off;
+        off += cols[c].count * size_of(cols[c].dtype);
+        off += pad8(off);
+    }
+    const char *fixed_dtypes[4] = {"<f8", "<i4", "<i4", "|u1"};
+    Py_ssize_t fixed_counts[4] = {n, n, n, info_len};
+
+    /* the header: {"id": gid, "n": n, "meta": meta, "arrays": {name: [dtype, count, offset]}} */
+    size_t hlen = 1 + str_size(2) + str_size((size_t)gid_len) + str_size(1) + uint_size((size_t)n) +
+                  str_size(4) + (size_t)PyBytes_GET_SIZE(meta_packed) + str_size(6) + 1;
+    for (int a = 0; a < NUM_KNOWN; a++) {
+        if (a >= FIRST_COLUMN && !cols[a - FIRST_COLUMN].present) continue;
+        const Column *col = a >= FIRST_COLUMN ? &cols[a - FIRST_COLUMN] : NULL;
+        size_t count = (size_t)(col ? col->count : fixed_counts[a]);
+        size_t offset = (size_t)(col ? col->offset : offsets[a]);
+        hlen += str_size(strlen(NAMES[a])) + 1 + str_size(3) + uint_size(count) + uint_size(offset);
+    }
+    if (hlen > UINT32_MAX) goto fallback;
+    Py_ssize_t start = 4 + (Py_ssize_t)hlen;
+    start += pad8(start);
+    Py_ssize_t total = start + off;
+
+    /* from here on nothing falls back: the memory is taken */
+    PyObject *size = PyLong_FromSsize_t(total);
+    if (!size) goto fail;
+    if (alloc == Py_None) {
+        out = PyObject_CallFunctionObjArgs(np_empty, size, np_uint8, NULL);
+    } else {
+        PyObject *mem = PyObject_CallOneArg(alloc, size);
+        out = mem ? PySequence_GetSlice(mem, 0, total) : NULL;
+        Py_XDECREF(mem);
+    }
+    Py_DECREF(size);
+    if (!out || PyObject_GetBuffer(out, &outview, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto fail;
+    if (outview.len < total) {
+        PyErr_Format(PyExc_ValueError, "the frame's memory holds %zd bytes, %zd needed", outview.len, total);
+        goto fail;
+    }
+    char *frame = outview.buf, *p = frame + 4;
+    for (int i = 0; i < 4; i++) frame[i] = (char)(hlen >> (8 * i));
+    *p++ = (char)0x84;
+    p = put_str(p, "id", 2);
+    p = put_str(p, gid_utf8, (size_t)gid_len);
+    p = put_str(p, "n", 1);
+    p = put_uint(p, (unsigned long long)n);
+    p = put_str(p, "meta", 4);
+    memcpy(p, PyBytes_AS_STRING(meta_packed), (size_t)PyBytes_GET_SIZE(meta_packed));
+    p += PyBytes_GET_SIZE(meta_packed);
+    p = put_str(p, "arrays", 6);
+    *p++ = (char)(0x80 | num_arrays);
+    for (int a = 0; a < NUM_KNOWN; a++) {
+        if (a >= FIRST_COLUMN && !cols[a - FIRST_COLUMN].present) continue;
+        const Column *col = a >= FIRST_COLUMN ? &cols[a - FIRST_COLUMN] : NULL;
+        p = put_str(p, NAMES[a], strlen(NAMES[a]));
+        *p++ = (char)0x93;
+        p = put_str(p, col ? col->dtype : fixed_dtypes[a], 3);
+        p = put_uint(p, (unsigned long long)(col ? col->count : fixed_counts[a]));
+        p = put_uint(p, (unsigned long long)(col ? col->offset : offsets[a]));
+    }
+    memset(p, 0, (size_t)(start - (p - frame)));
+    char *data = frame + start;
+    memset(data, 0, (size_t)off); /* the padding: no stray memory on the wire */
+    memcpy(data + offsets[0], rewards, (size_t)n * 8);
+    memcpy(data + offsets[1], lens, (size_t)n * 4);
+    memcpy(data + offsets[2], lens + n, (size_t)n * 4);
+    memcpy(data + offsets[3], PyBytes_AS_STRING(info), (size_t)info_len);
+    for (int c = 0; c < NUM_COLUMNS; c++) {
+        if (!cols[c].present) continue;
+        char *at = data + cols[c].offset;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const Py_buffer *v = &views[i * NUM_COLUMNS + c];
+            memcpy(at, v->buf, (size_t)v->len);
+            at += v->len;
+        }
+    }
+    result = out;
+    out = NULL;
+    goto done;
+
+fallback:
+    PyErr_Clear();
+    result = Py_NewRef(Py_None);
+    goto done;
+fail:
+    result = NULL;
+done:
+    if (outview.obj) PyBuffer_Release(&outview);
+    if (views) {
+        for (Py_ssize_t i = 0; i < n * NUM_COLUMNS; i++)
+            if (have[i]) PyBuffer_Release(&views[i]);
+    }
+    PyMem_Free(views);
+    PyMem_Free(have);
+    PyMem_Free(rewards);
+    PyMem_Free(lens);
+    Py_XDECREF(out);
+    Py_XDECREF(info);
+    Py_XDECREF(meta_packed);
+    Py_XDECREF(reasons);
+    Py_XDECREF(metas);
+    Py_XDECREF(samples);
+    Py_XDECREF(gid);
+    Py_XDECREF(meta);
+    return result;
+}
+
+/* ---- layout: codec._Frame's checks of the array specs and the per-sample columns ---- */
+
+typedef struct {
+    int present;
+    PyObject *dtype; /* borrowed from dtype_objs */
+    const char *name;
+    long long count, begin;
+} Spec;
+
+static int as_count(PyObject *o, long long *out) {
+    if (!PyLong_CheckExact(o)) return 0;
+    int overflow;
+    long long x = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (overflow || (x == -1 && PyErr_Occurred()) || x < 0) { PyErr_Clear(); return 0; }
+    *out = x;
+    return 1;
+}
+
+static int load_i32(const char *p) { int32_t x; memcpy(&x, p, 4); return x; }
+
+/* The least and greatest entry of an integer column of an allowed dtype (aligned columns, the encoder's,
+   in loops the compiler vectorises; a fuzzed frame's unaligned ones element by element). */
+#define RANGE_OF(T, NAME)                                                                          \
+    static void NAME(const char *p, long long count, long long *lo, long long *hi) {              \
+        T a, b;                                                                                    \
+        if ((uintptr_t)p % sizeof(T) == 0) {                                                       \
+            const T *x = (const T *)p;                                                             \
+            a = b = x[0];                                                                          \
+            for (long long i = 1; i < count; i++) a = x[i] < a ? x[i] : a;                        \
+            for (long long i = 1; i < count; i++) b = x[i] > b ? x[i] : b;                        \
+        } else {                                                                                   \
+            memcpy(&a, p, sizeof(T));                                                              \
+            b = a;                                                                                 \
+            for (long long i = 1; i < count; i++) {                                                \
+                T x;                                                                               \
+                memcpy(&x, p + i * (long long)sizeof(T), sizeof(T));                               \
+                a = x < a ? x : a;                                                                 \
+                b = x > b ? x : b;                                                                 \
+            }                                                                                      \
+        }                                                                                          \
+        *lo = (long long)a;                                                                        \
+        *hi = (long long)b;                                                                        \
+    }
+#if !defined(__SSE2__)
+RANGE_OF(int32_t, range_i4)
+#endif
+RANGE_OF(int64_t, range_i8)
+RANGE_OF(int8_t, range_i1)
+RANGE_OF(int16_t, range_i2)
+RANGE_OF(uint8_t, range_u1)
+RANGE_OF(uint16_t, range_u2)
+#undef RANGE_OF
+
+#if defined(__SSE2__)
+/* int32 (the versions' usual dtype) four lanes at a time: SSE2 has no pminsd, so compare and select */
+static void range_i4(const char *p, long long count, long long *lo, long long *hi) {
+    long long i = 0;
+    int32_t a, b;
+    if (count >= 8) {
+        __m128i mn = _mm_loadu_si128((const __m128i *)p), mx = mn;
+        for (i = 4; i + 4 <= count; i += 4) {
+            __m128i x = _mm_loadu_si128((const __m128i *)(p + 4 * i));
+            __m128i less = _mm_cmplt_epi32(x, mn), more = _mm_cmpgt_epi32(x, mx);
+            mn = _mm_or_si128(_mm_and_si128(less, x), _mm_andnot_si128(less, mn));
+            mx = _mm_or_si128(_mm_and_si128(more, x), _mm_andnot_si128(more, mx));
+        }
+        int32_t lanes[8];
+        _mm_storeu_si128((__m128i *)lanes, mn);
+        _mm_storeu_si128((__m128i *)(lanes + 4), mx);
+        a = lanes[0];
+        b = lanes[4];
+        for (int k = 1; k < 4; k++) {
+            a = lanes[k] < a ? lanes[k] : a;
+            b = lanes[4 + k] > b ? lanes[4 + k] : b;
+        }
+    } else {
+        memcpy(&a, p, 4);
+        b = a;
+        i = 1;
+    }
+    for (; i < count; i++) {
+        int32_t x;
+        memcpy(&x, p + 4 * i, 4);
+        a = x < a ? x : a;
+        b = x > b ? x : b;
+    }
+    *lo = a;
+    *hi = b;
+}
+#endif
+
+static void int_range(const char *p, long long count, const char *dtype, long long *lo, long long *hi) {
+    if (!strcmp(dtype, "<i4")) range_i4(p, count, lo, hi);
+    else if (!strcmp(dtype, "<i8")) range_i8(p, count, lo, hi);
+    else if (!strcmp(dtype, "|i1")) range_i1(p, count, lo, hi);
+    else if (!strcmp(dtype, "<i2")) range_i2(p, count, lo, hi);
+    else if (!strcmp(dtype, "|u1")) range_u1(p, count, lo, hi);
+    else if (!strcmp(dtype, "<u2")) range_u2(p, count, lo, hi);
+}
+
+static PyObject *layout(PyObject *self, PyObject *args) {
+    PyObject *bufobj, *arrays;
+    Py_ssize_t data_start, n;
+    int want_versions;
+    if (!PyArg_ParseTuple(args, "OnnO!p", &bufobj, &data_start, &n, &PyDict_Type, &arrays, &want_versions))
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(bufobj, &view, PyBUF_SIMPLE) < 0) return NULL;
+    const char *buf = view.buf;
+    long long size = view.len;
+    PyObject *result = NULL, *specs = PyDict_New(), *plens = NULL, *rlens = NULL, *rewards = NULL;
+    Spec spec[NUM_KNOWN] = {{0}};
+    const char *dtype_str[NUM_KNOWN] = {0};
+    if (!specs) goto fail;
+
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(arrays, &pos, &key, &value)) {
+        PyObject *index = PyUnicode_CheckExact(key) ? PyDict_GetItemWithError(known_index, key) : NULL;
+        if (!index) goto reject;
+        int a = (int)PyLong_AsLong(index);
+        if (!PyList_CheckExact(value) || PyList_GET_SIZE(value) != 3) goto reject;
+        PyObject *dt = PyList_GET_ITEM(value, 0);
+        PyObject *dtype = PyUnicode_CheckExact(dt) ? PyDict_GetItemWithError(dtype_objs, dt) : NULL;
+        if (!dtype) goto reject;
+        long long count, offset;
+        if (!as_count(PyList_GET_ITEM(value, 1), &count) || !as_count(PyList_GET_ITEM(value, 2), &offset))
+            goto reject;
+        const char *ds = PyUnicode_AsUTF8(dt);
+        if (!ds) goto reject;
+        long long begin = data_start + offset;
+        if (offset > size || count > size || begin + count * size_of(ds) > size) goto reject;
+        spec[a] = (Spec){1, dtype, NAMES[a], count, begin};
+        dtype_str[a] = ds;
+        PyObject *entry = Py_BuildValue("(OLL)", dtype, count, begin);
+        if (!entry || PyDict_SetItem(specs, key, entry) < 0) { Py_XDECREF(entry); goto fail; }
+        Py_DECREF(entry);
+    }
+    for (int a = 0; a < LOSS_MASK; a++)
+        if (!spec[a].present) goto reject;
+    if (strcmp(dtype_str[REWARDS], "<f8") || strcmp(dtype_str[PROMPT_LENS], "<i4") ||
+        strcmp(dtype_str[RESPONSE_LENS], "<i4") || strcmp(dtype_str[SAMPLE_INFO], "|u1"))
+        goto reject;
+    if (spec[REWARDS].count != n || spec[PROMPT_LENS].count != n || spec[RESPONSE_LENS].count != n)
+        goto reject;
+    char vkind = kind_of(dtype_str[VERSIONS]);
+    if (vkind != 'i' && vkind != 'u') goto reject;
+
+    long long prompt_tokens = 0, response_tokens = 0;
+    plens = PyTuple_New(n);
+    rlens = PyTuple_New(n);
+    rewards = PyTuple_New(n);
+    if (!plens || !rlens || !rewards) goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int p = load_i32(buf + spec[PROMPT_LENS].begin + 4 * i);
+        int r = load_i32(buf + spec[RESPONSE_LENS].begin + 4 * i);
+        double w;
+        memcpy(&w, buf + spec[REWARDS].begin + 8 * i, 8);
+        if (p < 0 || r < 0 || !isfinite(w)) goto reject;
+        prompt_tokens += p;
+        response_tokens += r;
+        PyObject *po = PyLong_FromLong(p), *ro = PyLong_FromLong(r), *wo = PyFloat_FromDouble(w);
+        if (!po || !ro || !wo) { Py_XDECREF(po); Py_XDECREF(ro); Py_XDECREF(wo); goto fail; }
+        PyTuple_SET_ITEM(plens, i, po);
+        PyTuple_SET_ITEM(rlens, i, ro);
+        PyTuple_SET_ITEM(rewards, i, wo);
+    }
+    if (spec[PROMPT_IDS].count != prompt_tokens) goto reject;
+    for (int a = RESPONSE_IDS; a <= LOSS_MASK; a++)
+        if (spec[a].present && spec[a].count != response_tokens) goto reject;
+
+    long long lo = 0, hi = 0;
+    if (want_versions && spec[VERSIONS].count > 0)
+        int_range(buf + spec[VERSIONS].begin, spec[VERSIONS].count, dtype_str[VERSIONS], &lo, &hi);
+    result = Py_BuildValue("(NNNNLL)", specs, plens, rlens, rewards, lo, hi);
+    specs = plens = rlens = rewards = NULL;
+    goto done;
+reject:
+    PyErr_Clear();
+    result = Py_NewRef(Py_None);
+    goto done;
+fail:
+    result = NULL;
+done:
+    PyBuffer_Release(&view);
+    Py_XDECREF(specs);
+    Py_XDECREF(plens);
+    Py_XDECREF(rlens);
+    Py_XDECREF(rewards);
+    return result;
+}
+
+/* ---- samples: decode_group's Sample objects, views into the columns ---- */
+
+static PyObject *samples(PyObject *self, PyObject *args) {
+    PyObject *cls, *prompt_ids, *response_ids, *logprobs, *versions, *mask, *plens, *rlens, *rewards;
+    PyObject *reasons, *metas;
+    if (!PyArg_ParseTuple(args, "O!OOOOOO!O!O!O!O!", &PyType_Type, &cls, &prompt_ids, &response_ids,
+                          &logprobs, &versions, &mask, &PyTuple_Type, &plens, &PyTuple_Type, &rlens,
+                          &PyTuple_Type, &rewards, &PyList_Type, &reasons, &PyList_Type, &metas))
+        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(plens);
+    if (PyTuple_GET_SIZE(rlens) != n || PyTuple_GET_SIZE(rewards) != n || PyList_GET_SIZE(reasons) != n ||
+        PyList_GET_SIZE(metas) != n) {
+        PyErr_SetString(PyExc_ValueError, "samples: every per-sample sequence must have n entries");
+        return NULL;
+    }
+    PyTypeObject *type = (PyTypeObject *)cls;
+    PyObject *empty = PyTuple_New(0), *out = PyList_New(n);
+    if (!empty || !out) goto fail;
+    Py_ssize_t p0 = 0, r0 = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t p1 = p0 + PyLong_AsSsize_t(PyTuple_GET_ITEM(plens, i));
+        Py_ssize_t r1 = r0 + PyLong_AsSsize_t(PyTuple_GET_ITEM(rlens, i));
+        if (PyErr_Occurred()) goto fail;
+        PyObject *obj = type->tp_new(type, empty, NULL);
+        if (!obj) goto fail;
+        PyList_SET_ITEM(out, i, obj);
+        PyObject *meta = PyList_GET_ITEM(metas, i);
+        PyObject *values[8] = {
+            PySequence_GetSlice(prompt_ids, p0, p1),
+            PySequence_GetSlice(response_ids, r0, r1),
+            PySequence_GetSlice(logprobs, r0, r1),
+            PySequence_GetSlice(versions, r0, r1),
+            Py_NewRef(PyTuple_GET_ITEM(rewards, i)),
+            PyObject_Str(PyList_GET_ITEM(reasons, i)),
+            mask == Py_None ? Py_NewRef(Py_None) : PySequence_GetSlice(mask, r0, r1),
+            PyDict_Check(meta) ? Py_NewRef(meta) : PyDict_New(),
+        };
+        static const int order[8] = {PROMPT_IDS, RESPONSE_IDS, LOGPROBS, VERSIONS, -1, -2, LOSS_MASK, -3};
+        int ok = 1;
+        for (int k = 0; k < 8; k++) {
+            PyObject *name = order[k] >= 0 ? name_objs[order[k]]
+                             : order[k] == -1 ? s_reward
+                             : order[k] == -2 ? s_finish_reason
+                                              : s_meta;
+            if (!values[k] || (ok && PyObject_SetAttr(obj, name, values[k]) < 0)) ok = 0;
+            Py_XDECREF(values[k]);
+        }
+        if (!ok) goto fail;
+        p0 = p1;
+        r0 = r1;
+    }
+    Py_DECREF(empty);
+    return out;
+fail:
+    Py_XDECREF(empty);
+    Py_XDECREF(out);
+    return NULL;
+}
+
+/* ---- set-up ---- */
+
+static PyObject *configure(PyObject *self, PyObject *args) {
+    PyObject *dtypes, *empty, *uint8, *pack;
+    if (!PyArg_ParseTuple(args, "O!OOO", &PyDict_Type, &dtypes, &empty, &uint8, &pack)) return NULL;
+    Py_XSETREF(dtype_objs, Py_NewRef(dtypes));
+    Py_XSETREF(np_empty, Py_NewRef(empty));
+    Py_XSETREF(np_uint8, Py_NewRef(uint8));
+    Py_XSETREF(packb, Py_NewRef(pack));
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"configure", configure, METH_VARARGS, "configure(dtypes, np.empty, np.uint8, msgpack.packb)"},
+    {"encode", encode, METH_VARARGS, "encode(group, alloc) -> frame, or None where codec.py must encode"},
+    {"layout", layout, METH_VARARGS,
+     "layout(buf, data_start, n, arrays, want_versions) -> (specs, prompt_lens, response_lens, rewards, "
+     "vmin, vmax), or None where a rule fails"},
+    {"samples", samples, METH_VARARGS,
+     "samples(cls, prompt_ids, response_ids, logprobs, versions, loss_mask, prompt_lens, response_lens, "
+     "rewards, finish_reasons, metas) -> list of cls"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "tidal_codec_native", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit_tidal_codec_native(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    known_index = PyDict_New();
+    if (!known_index) return NULL;
+    for (int a = 0; a < NUM_KNOWN; a++) {
+        name_objs[a] = PyUnicode_InternFromString(NAMES[a]);
+        PyObject *i = PyLong_FromLong(a);
+        if (!name_objs[a] || !i || PyDict_SetItem(known_index, name_objs[a], i) < 0) return NULL;
+        Py_DECREF(i);
+    }
+    s_samples = PyUnicode_InternFromString("samples");
+    s_group_id = PyUnicode_InternFromString("group_id");
+    s_meta = PyUnicode_InternFromString("meta");
+    s_reward = PyUnicode_InternFromString("reward");
+    s_finish_reason = PyUnicode_InternFromString("finish_reason");
+    if (!s_samples || !s_group_id || !s_meta || !s_reward || !s_finish_reason) return NULL;
+    return m;
+}

@@ -1,0 +1,239 @@
+"""The C group codec (broker/native_codec.c) against the Python one it must equal (broker/codec.py).
+
+Every test runs both and compares: the same frame bytes from the same group, the same acceptance (and so the
+same error, which the Python checks raise) for any frame, the same summary and the same decoded samples.
+"""
+
+import struct
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as hs
+
+from tidal.broker import native_codec
+from tidal.broker.codec import ALLOWED_DTYPES, decode_group, encode_group, inspect_group
+from tidal.broker.protocol import ProtocolError
+from tidal.broker.types import Group, Sample
+
+native, why = native_codec.load()
+pytestmark = pytest.mark.skipif(native is None, reason=f"the native codec cannot be built here: {why}")
+
+INT_DTYPES = ["<i4", "<i8", "<i2", "|i1", "<u2", "|u1"]
+FLOAT_DTYPES = ["<f4", "<f8", "<f2"]
+MASK_DTYPES = ["|u1", "|b1", "<i4"]
+
+
+def _array(draw, length, dtype, odd):
+    rng = np.random.default_rng(draw(hs.integers(0, 2**32 - 1)))
+    dt = np.dtype(dtype)
+    if dt.kind == "f":
+        a = rng.standard_normal(length).astype(dt)
+    elif dt.kind == "b":
+        a = rng.integers(0, 2, length).astype(dt)
+    else:
+        info = np.iinfo(dt)
+        a = rng.integers(max(info.min, -1000), min(info.max, 1000), length, endpoint=True).astype(dt)
+    if odd == "big-endian":
+        a = a.astype(dt.newbyteorder(">"))
+    elif odd == "strided":
+        a = np.repeat(a, 2)[::2]
+    elif odd == "list":
+        a = a.tolist()
+    return a
+
+
+@hs.composite
+def groups(draw):
+    n = draw(hs.integers(1, 5))
+    dtypes = {
+        "prompt_ids": draw(hs.sampled_from(INT_DTYPES)),
+        "response_ids": draw(hs.sampled_from(INT_DTYPES)),
+        "logprobs": draw(hs.sampled_from(FLOAT_DTYPES)),
+        "versions": draw(hs.sampled_from(INT_DTYPES)),
+        "loss_mask": draw(hs.sampled_from(MASK_DTYPES)),
+    }
+    masks = draw(hs.sampled_from(["none", "all", "some"]))
+    samples = []
+    for _ in range(n):
+        p, r = draw(hs.integers(0, 12)), draw(hs.integers(0, 12))
+        # now and then one array out of the common case: the C code must hand the group to Python
+        odd = draw(hs.sampled_from([None] * 12 + ["big-endian", "strided", "list", "mixed"]))
+        odd_name = draw(hs.sampled_from(list(dtypes)))
+        arrays = {}
+        for name, dtype in dtypes.items():
+            length = p if name == "prompt_ids" else r
+            how = odd if name == odd_name else None
+            if how == "mixed":
+                dtype = "<f8" if np.dtype(dtype).kind != "f" else "<f4"
+            arrays[name] = _array(draw, length, dtype, how)
+        if masks == "none" or (masks == "some" and draw(hs.booleans())):
+            arrays["loss_mask"] = None
+        reward = draw(hs.one_of(hs.floats(allow_nan=False, allow_infinity=False), hs.integers(-5, 5)))
+        samples.append(
+            Sample(
+                **arrays,
+                reward=reward,
+                finish_reason=draw(hs.sampled_from(["stop", "length", "abort"])),
+                meta=draw(
+                    hs.dictionaries(hs.text(max_size=4), hs.integers() | hs.text(max_size=6), max_size=3)
+                ),
+            )
+        )
+    gid = draw(hs.text(min_size=0, max_size=40) | hs.just("g" * 300))
+    meta = draw(hs.dictionaries(hs.text(max_size=5), hs.integers(-(2**40), 2**40), max_size=3))
+    return Group(group_id=gid, samples=samples, meta=meta)
+
+
+def _encoded(group, native_path):
+    try:
+        return bytes(encode_group(group, native=native_path))
+    except Exception as exc:  # the reference's error: the C code must raise or defer the same way
+        return (type(exc), str(exc))
+
+
+def _samples_equal(a: Group, b: Group) -> None:
+    assert (a.group_id, a.meta, len(a.samples)) == (b.group_id, b.meta, len(b.samples))
+    for s, t in zip(a.samples, b.samples, strict=True):
+        for name in ("prompt_ids", "response_ids", "logprobs", "versions", "loss_mask"):
+            x, y = getattr(s, name), getattr(t, name)
+            assert (x is None) == (y is None), name
+            if x is not None:
+                assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), name
+        assert (s.reward, s.finish_reason, s.meta) == (t.reward, t.finish_reason, t.meta)
+        assert type(s.reward) is type(t.reward) and type(s.meta) is type(t.meta)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(groups())
+def test_the_c_encoder_writes_the_python_encoders_bytes(group):
+    assert _encoded(group, True) == _encoded(group, False)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(groups())
+def test_the_c_checks_summary_and_samples_equal_the_python_ones(group):
+    try:
+        frame = encode_group(group, native=False)
+    except Exception:
+        return  # a group the encoder refuses (the encoder test compares those)
+    outcomes = []
+    for native_path in (True, False):
+        try:
+            outcomes.append(
+                (inspect_group(frame, native=native_path), decode_group(frame, native=native_path))
+            )
+        except ProtocolError as exc:
+            outcomes.append(str(exc))
+    if isinstance(outcomes[0], str) or isinstance(outcomes[1], str):
+        assert outcomes[0] == outcomes[1]
+        return
+    (info_c, group_c), (info_py, group_py) = outcomes
+    assert info_c == info_py
+    _samples_equal(group_c, group_py)
+
+
+def test_large_counts_and_offsets_take_the_wider_msgpack_integers():
+    # offsets past 2**16 and counts past 2**8 and 2**16: every unsigned integer width msgpack writes
+    rng = np.random.default_rng(0)
+    samples = [
+        Sample(
+            prompt_ids=rng.integers(0, 100, 300, dtype=np.int32),
+            response_ids=rng.integers(0, 100, 40_000, dtype=np.int64),
+            logprobs=rng.standard_normal(40_000).astype(np.float32),
+            versions=np.full(40_000, 7, np.int32),
+            reward=0.5,
+            finish_reason="length",
+            loss_mask=np.ones(40_000, np.uint8),
+        )
+        for _ in range(3)
+    ]
+    group = Group(group_id="é" * 70_000, samples=samples, meta={"k": 2**40})
+    frame = encode_group(group)
+    assert bytes(frame) == bytes(encode_group(group, native=False))
+    assert inspect_group(frame) == inspect_group(frame, native=False)
+    _samples_equal(decode_group(frame), decode_group(frame, native=False))
+
+
+def _frame_of(header: dict, data: bytes) -> bytes:
+    packed = msgpack.packb(header)
+    start = 4 + len(packed)
+    return struct.pack("<I", len(packed)) + packed + bytes(-start % 8) + data
+
+
+def _split(frame) -> tuple[dict, bytes]:
+    buf = bytes(frame)
+    (hlen,) = struct.unpack_from("<I", buf)
+    start = 4 + hlen
+    return msgpack.unpackb(buf[4:start]), buf[start + (-start % 8) :]
+
+
+def _outcome(frame, native_path):
+    try:
+        info = inspect_group(frame, native=native_path)
+        return ("ok", info, [vars(s).keys() for s in decode_group(frame, native=native_path).samples])
+    except ProtocolError as exc:
+        return ("refused", str(exc))
+
+
+_VALUES = hs.one_of(
+    hs.integers(-(2**63), 2**64 - 1),  # what msgpack can carry
+    hs.integers(-3, 200),
+    hs.sampled_from(sorted(ALLOWED_DTYPES) + ["<u4", "<f8", "|S1", "i4"]),
+    hs.floats(allow_nan=False),
+    hs.booleans(),
+    hs.none(),
+    hs.binary(max_size=3),
+)
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(groups(), hs.data())
+def test_the_c_checks_accept_exactly_the_frames_the_python_checks_accept(group, data):
+    try:
+        header, body = _split(encode_group(group, native=False))
+    except Exception:
+        return
+    arrays = header["arrays"]
+    for _ in range(data.draw(hs.integers(1, 3))):
+        name = data.draw(hs.sampled_from([*arrays, "loss_mask", "extra", b"rewards"]))
+        what = data.draw(hs.sampled_from(["field", "drop", "shape", "n", "body"]))
+        spec = arrays.get(name)
+        if what == "field" and isinstance(spec, list) and len(spec) == 3:
+            spec[data.draw(hs.integers(0, 2))] = data.draw(_VALUES)
+        elif what == "drop":
+            arrays.pop(name, None)
+        elif what == "shape":
+            arrays[name] = data.draw(
+                hs.sampled_from([[], ["<i4", 1], ["<i4", 0, 0, 0], "<i4", ("<i4", 0, 0)])
+            )
+        elif what == "n":
+            header["n"] = data.draw(hs.integers(-1, 8) | hs.just(2**64 - 1))
+        elif body:
+            at = data.draw(hs.integers(0, len(body) - 1))
+            flipped = data.draw(hs.integers(0, 255))
+            body = body[:at] + bytes([flipped]) + body[at + 1 :]
+    frame = _frame_of(header, body)
+    assert _outcome(frame, True) == _outcome(frame, False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(hs.binary(max_size=600))
+def test_random_bytes_get_the_same_verdict(data):
+    assert _outcome(data, True) == _outcome(data, False)
+
+
+def test_the_codec_runs_in_python_alone_where_the_c_code_cannot_be_built(monkeypatch, tmp_path):
+    monkeypatch.setenv("TIDAL_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv(native_codec.ENV, "0")
+    native_codec.load.cache_clear()
+    try:
+        assert native_codec.load() == (None, f"{native_codec.ENV}=0")
+        monkeypatch.delenv(native_codec.ENV)
+        monkeypatch.setenv("CC", "false")  # a compiler that fails
+        native_codec.load.cache_clear()
+        module, reason = native_codec.load()
+        assert module is None and "failed" in reason
+    finally:
+        native_codec.load.cache_clear()
