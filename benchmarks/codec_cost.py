@@ -7,6 +7,9 @@ building the Sample objects, ``encode_group`` (a rollout node), ``inspect_group`
 would pay once instead of once per group; the broker benchmark's figures (benchmarks/broker_throughput.py)
 are 1.5-2x these in a run, where four processes share two cores and their caches.
 
+``--codecs`` picks the paths timed, side by side: ``native`` (the C hot paths of ``native_codec.c``, what
+tidal runs where they build) and ``python`` (codec.py alone, the reference and the fallback).
+
     .venv/bin/python benchmarks/codec_cost.py --out runs/bench/codec_cost.json
 """
 
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tidal.broker import native_codec
 from tidal.broker.codec import decode_group, encode_group, inspect_group
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -28,18 +32,20 @@ from broker_baselines import sample_arrays  # noqa: E402
 from broker_throughput import _group  # noqa: E402  (the broker benchmark's groups, built the same way)
 
 STAGES = ("build", "encode", "inspect", "decode")
+CODECS = ("native", "python")
 
 
-def time_stages(tokens: int, n: int, number: int, repeats: int) -> dict[str, float]:
-    """Microseconds per frame of each stage (median of ``repeats``)."""
+def time_stages(tokens: int, n: int, number: int, repeats: int, codec: str = "native") -> dict[str, float]:
+    """Microseconds per frame of each stage (median of ``repeats``) through ``codec``'s path."""
     arrays = sample_arrays(tokens)
     group = _group("0:1", arrays, n)
-    frame = bytes(encode_group(group))
+    native = codec == "native"
+    frame = bytes(encode_group(group, native=native))
     calls = {
         "build": lambda: _group("0:1", arrays, n),
-        "encode": lambda: encode_group(group),
-        "inspect": lambda: inspect_group(frame),
-        "decode": lambda: decode_group(frame),
+        "encode": lambda: encode_group(group, native=native),
+        "inspect": lambda: inspect_group(frame, native=native),
+        "decode": lambda: decode_group(frame, native=native),
     }
     return {
         stage: statistics.median(timeit.repeat(call, number=number, repeat=repeats)) / number * 1e6
@@ -59,14 +65,48 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group-sizes", type=int, nargs="+", default=[8, 16, 32], help="samples per frame")
     ap.add_argument("--number", type=int, default=500, help="calls per timed round")
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds (the median is kept)")
+    ap.add_argument("--codecs", nargs="+", choices=CODECS, default=list(CODECS), help="codec paths timed")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     if len(args.group_sizes) < 2:
         ap.error("--group-sizes needs at least two sizes to separate the per-frame cost")
+    if "native" in args.codecs and native_codec.load()[0] is None:
+        ap.error(f"no native codec here ({native_codec.load()[1]}); pass --codecs python")
 
-    rows = {n: time_stages(args.tokens, n, args.number, args.repeats) for n in args.group_sizes}
-    fits = {s: fit(args.group_sizes, [rows[n][s] for n in args.group_sizes]) for s in STAGES}
-    print(f"{args.tokens}-token samples, us per frame (median of {args.repeats} x {args.number} calls)")
+    results = {}
+    for codec in args.codecs:
+        rows = {n: time_stages(args.tokens, n, args.number, args.repeats, codec) for n in args.group_sizes}
+        fits = {s: fit(args.group_sizes, [rows[n][s] for n in args.group_sizes]) for s in STAGES}
+        results[codec] = {"rows": rows, "fits": fits}
+        print_table(codec, args, rows, fits)
+    if len(results) == 2:
+        n = args.group_sizes[0]
+        native, python = results["native"]["rows"][n], results["python"]["rows"][n]
+        print(
+            f"python / native at {n} samples a frame: "
+            + ", ".join(f"{s} {python[s] / native[s]:.2f}x" for s in STAGES if s != "build")
+        )
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        result = {
+            "args": vars(args) | {"out": str(args.out)},
+            "codecs": {
+                codec: {
+                    "us_per_frame": {str(n): r for n, r in got["rows"].items()},
+                    "fit": {s: {"per_frame_us": f[0], "per_sample_us": f[1]} for s, f in got["fits"].items()},
+                }
+                for codec, got in results.items()
+            },
+        }
+        args.out.write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.out}")
+    return 0
+
+
+def print_table(codec: str, args: argparse.Namespace, rows: dict, fits: dict) -> None:
+    print(
+        f"{codec} codec, {args.tokens}-token samples, us per frame (median of {args.repeats} x {args.number} calls)"
+    )
     print(f"{'samples/frame':>13} | " + " | ".join(f"{s:>8}" for s in STAGES) + " |    total")
     for n, r in rows.items():
         print(f"{n:>13} | " + " | ".join(f"{r[s]:8.1f}" for s in STAGES) + f" | {sum(r.values()):8.1f}")
@@ -80,16 +120,6 @@ def main(argv: list[str] | None = None) -> int:
         + " | ".join(f"{fits[s][1]:8.2f}" for s in STAGES)
         + f" | {sum(f[1] for f in fits.values()):8.2f}"
     )
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        result = {
-            "args": vars(args) | {"out": str(args.out)},
-            "us_per_frame": {str(n): r for n, r in rows.items()},
-            "fit": {s: {"per_frame_us": f[0], "per_sample_us": f[1]} for s, f in fits.items()},
-        }
-        args.out.write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.out}")
-    return 0
 
 
 if __name__ == "__main__":
