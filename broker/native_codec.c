@@ -21,6 +21,11 @@
 #include <emmintrin.h>
 #endif
 
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+/* frames are little-endian and this code copies native values: elsewhere the build fails and codec.py runs */
+#error "the native group codec is for little-endian hosts"
+#endif
+
 enum { REWARDS, PROMPT_LENS, RESPONSE_LENS, SAMPLE_INFO, PROMPT_IDS, RESPONSE_IDS, LOGPROBS, VERSIONS,
        LOSS_MASK, NUM_KNOWN };
 static const char *NAMES[NUM_KNOWN] = {"rewards",      "prompt_lens", "response_lens",
