@@ -120,7 +120,8 @@ class BrokerConfig(BaseModel):
         "they lie: the frames then never cross loopback into the broker. The ring holds the node's groups "
         "until the broker lets go of them (consumed or dropped); when it is full, submits go over the "
         "wire. Memory is committed as the ring is first filled, up to this size per local node (a node "
-        "goes back to the ring's start once the room there is twice its bytes in flight, so it touches "
+        "goes back to the ring's start once the room there is twice the most bytes it has had in flight, so "
+        "it touches "
         "about three times those)",
     )
     huge_page_heap_bytes: int = Field(

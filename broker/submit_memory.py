@@ -208,25 +208,28 @@ class SubmitRing:
         self.ring = np.frombuffer(self.mm, np.uint8, count=capacity, offset=HEADER_BYTES)
         self._tail = np.frombuffer(self.mm, np.int64, count=1, offset=TAIL_AT)
         self.head = 0
+        self.peak = 0  # the most bytes this node has had in the ring at once (allocated, not let go)
         self.full = 0  # allocations refused for want of room (those submits went on the wire)
 
     def alloc(self, nbytes: int) -> tuple[int, np.ndarray] | None:
         """A fresh span of ``nbytes``: (start position, its memory), or None when the ring has no room.
 
         A span goes back to the ring's start (the next lap) as soon as the room the broker let go of there
-        is twice the bytes in flight, not only when the end is reached: the node, the broker and a local
-        trainer all touch each frame within moments, and room they touched a moment ago is still in their
-        caches. The ring then cycles through about three times the bytes in flight (a few MiB per node at
-        1K-token samples) instead of all of it; the room after the jump (the free start of this lap) still
-        holds twice what was in flight at the jump, so the ring seldom runs full after one (0-7 of 11,250
-        submits of a 1K-token benchmark run went over the wire)."""
+        is twice the most bytes this node has had in flight, not only when the end is reached: the node,
+        the broker and a local trainer all touch each frame within moments, and room they touched a moment
+        ago is still in their caches. The ring then cycles through about three times the bytes in flight
+        (a few MiB per node at 1K-token samples) instead of all of it. The rule uses the peak, not the
+        bytes in flight at the moment of the jump: those dip whenever the oldest group is let go, and a
+        jump taken in a dip left too little room once they grew back (with 8 leases in flight, half the
+        submits of a 1K-token benchmark run found the ring full and went over the wire)."""
         size = _align(nbytes)
         start = self.head
         offset = start % self.capacity
         tail = int(self._tail[0])
         lap = start - offset
+        self.peak = max(self.peak, start + size - tail)
         # never wrap inside a span; and skip to the next lap once its free start is large enough
-        if offset and (offset + size > self.capacity or tail - lap >= 2 * (start - tail) + size):
+        if offset and (offset + size > self.capacity or tail - lap >= 2 * self.peak + size):
             start += self.capacity - offset
             offset = 0
         if start + size > tail + self.capacity:

@@ -49,25 +49,40 @@ def test_a_span_that_would_not_fit_before_the_end_starts_again_at_the_beginning(
     assert start == 4096 and len(memory) == 2000
 
 
-def test_the_node_goes_back_to_the_start_once_the_room_there_is_twice_what_is_in_flight():
+def _take(arena: SubmitArena, ring: SubmitRing, held: list, nbytes: int = 1000) -> int:
+    start, _ = ring.alloc(nbytes)
+    held.append(arena.spans([[start, nbytes]], 1 << 20)[0])
+    return start
+
+
+def test_the_node_goes_back_to_the_start_once_the_room_there_is_twice_its_peak_in_flight():
     arena, ring = _pair(1 << 20)
-    held = [arena.spans([[ring.alloc(1000)[0], 1000]], 1 << 20)[0] for _ in range(3)]
-    del held[0]  # 1024 bytes free at the start, 2048 in flight: carry on
-    start, _ = ring.alloc(1000)
-    assert start == 3072
-    held.append(arena.spans([[start, 1000]], 1 << 20)[0])
-    del held[0]  # 2048 free, 2048 in flight: still not twice
-    start, _ = ring.alloc(1000)
-    assert start == 4096
-    held.append(arena.spans([[start, 1000]], 1 << 20)[0])
-    del held[:2]  # 4096 free at the start, 1024 in flight (one span): back to the start (the next lap)
-    start, memory = ring.alloc(1000)
-    assert start == 1 << 20 and len(memory) == 1000
-    held.append(arena.spans([[start, 1000]], 1 << 20)[0])  # the broker takes it as a fresh span
-    for _ in range(3):  # and the room after it (the rest of the free start) is there to use
-        start, _ = ring.alloc(1000)
-        held.append(arena.spans([[start, 1000]], 1 << 20)[0])
-    assert start == (1 << 20) + 3072
+    held: list = []
+    for _ in range(3):
+        _take(arena, ring, held)  # the peak: three spans (3072 bytes) in flight
+    starts = []
+    for _ in range(7):  # one let go, one taken: two or three in flight, the free start grows by 1024
+        del held[0]
+        starts.append(_take(arena, ring, held))
+    # carried on until the free start held twice the peak and the new span (7168 bytes), then the next lap
+    assert starts == [3072 + 1024 * k for k in range(6)] + [1 << 20]
+    for _ in range(6):  # the room after it (the rest of the free start) is there to use
+        _take(arena, ring, held)
+    assert held[-1]._entry[0] == (1 << 20) + 6 * 1024
+    assert ring.full == 0
+
+
+def test_a_dip_in_what_is_in_flight_does_not_send_the_node_back_too_early():
+    # Eight spans in flight, then all but the last let go (a dip), then eight again: a jump back to the
+    # ring's start during the dip would find 7 KiB of room there for 8 KiB and send a submit on the wire.
+    arena, ring = _pair(1 << 16)
+    held: list = []
+    for _ in range(8):
+        _take(arena, ring, held)
+    del held[:7]
+    for _ in range(8):
+        _take(arena, ring, held)
+    assert [h._entry[0] for h in held] == [1024 * k for k in range(7, 16)]
     assert ring.full == 0
 
 
