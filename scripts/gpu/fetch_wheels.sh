@@ -3,6 +3,9 @@
 #
 #   bash scripts/gpu/fetch_wheels.sh          # then run(..., carry=[".whl"])
 #
+# Also into .whl/test/ (not installed by run_suite.sh): hypothesis and what it needs, for CPU tests run on
+# the device (`pip install --no-index --no-deps --target /tmp/site .whl/test/*.whl`, docs/gpu.md).
+#
 # Versions come from requirements.lock (fla, a GPU extra, is pinned here); CPython 3.12, manylinux x86_64.
 # The device has no package registry: run this where PyPI is reachable.
 set -euo pipefail
@@ -24,5 +27,14 @@ mkdir -p "$DEST"
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d "$DEST" "${specs[@]}"
+test_specs=()
+for name in hypothesis attrs sortedcontainers; do
+    line=$(grep -i "^${name}==" requirements.lock) || { echo "fetch_wheels: $name is not in requirements.lock" >&2; exit 2; }
+    test_specs+=("${line%% *}")
+done
+mkdir -p "$DEST/test"
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d "$DEST/test" "${test_specs[@]}"
 ls "$DEST" | wc -l | xargs echo "wheels in $DEST:"
 du -sh "$DEST"
