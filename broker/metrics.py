@@ -76,6 +76,11 @@ class BrokerCollector(Collector):
             "journal bytes those groups did not take (since the broker started)",
             value=s["journal"]["packed_bytes_saved"],
         )
+        yield CounterMetricFamily(
+            f"{PREFIX}_submit_memory_wire_submits",
+            "submits sent over the wire by nodes holding a shared ring (theirs was full)",
+            value=s.get("submit_memory", {}).get("wire_submits", 0),
+        )
         errors = CounterMetricFamily(f"{PREFIX}_errors", "error replies by code", labels=["code"])
         for code, n in s["errors"].items():
             errors.add_metric([code], n)

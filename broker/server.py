@@ -380,6 +380,8 @@ class BrokerServer:
                     f"submit: body announces {req.body['groups']} group(s); spans must be a list of as many",
                 )
             frames = node.arena.spans(spans, self.cfg.max_frame_bytes)
+        elif node.arena is not None:
+            node.arena.wire_submits += 1
         result = self.state.submit(node, req.body["lease_id"], frames, now)
         # No reply of its own: one cumulative ack per connection covers every submit handled in this
         # wake-up, sent once their records are written (see _queue_acks).
@@ -523,6 +525,8 @@ class BrokerServer:
             "nodes": len(arenas),
             "spans_taken": sum(a.spans_taken for a in arenas),
             "spans_held": sum(a.held for a in arenas),
+            # submits over the wire from nodes holding a ring: theirs had no room (or could not be mapped)
+            "wire_submits": sum(a.wire_submits for a in arenas),
         }
         out["uptime_s"] = round(time.time() - self.started, 3)
         return out

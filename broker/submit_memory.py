@@ -71,6 +71,7 @@ class SubmitArena:
         self._live: deque[list[int]] = deque()  # [start, end, held] in ring order
         self._seen = 0  # end of the last span a submit named
         self.spans_taken = 0
+        self.wire_submits = 0  # submits this node sent over the wire all the same (its ring was full)
 
     def offer(self, pid: int) -> dict[str, Any]:
         """What the register reply tells the node (``submit_memory``)."""

@@ -121,6 +121,7 @@ def test_stats_prometheus_and_status_lines_report_queue_flight_staleness_and_thr
         assert m["tidal_broker_samples_per_second"] > 0
         assert m["tidal_broker_journal_packed_groups_total"] == 2
         assert m["tidal_broker_journal_packed_bytes_saved_total"] == stats["journal"]["packed_bytes_saved"]
+        assert m["tidal_broker_submit_memory_wire_submits_total"] == stats["submit_memory"]["wire_submits"]
 
         log = tmp_path / "broker.log"
         want = "policy version 1; queue 7 groups, in flight 0"

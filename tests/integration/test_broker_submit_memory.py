@@ -94,7 +94,7 @@ def test_groups_submitted_through_shared_memory_reach_the_trainer_bit_for_bit(tm
             for gid, group in got.items():
                 _same(group, sent[gid])
             stats = trainer.stats()
-            assert stats["submit_memory"]["spans_taken"] == 8
+            assert stats["submit_memory"]["spans_taken"] == 8 and stats["submit_memory"]["wire_submits"] == 0
             assert stats["submit_memory"]["spans_held"] == 8  # nothing consumed yet
             trainer.report_consumed(1)
             assert trainer.stats()["submit_memory"]["spans_held"] == 0
@@ -123,7 +123,9 @@ def test_a_full_ring_sends_submits_over_the_wire_and_consumed_groups_make_room(t
                 for g in first.groups:
                     _same(g, sent[g.group_id])
                 trainer.report_consumed(first.batch_id)
-                held = trainer.stats()["submit_memory"]["spans_held"]
+                memory = trainer.stats()["submit_memory"]
+                held = memory["spans_held"]
+                assert memory["wire_submits"] == 2  # the broker counts what the node sent past its full ring
             lease = await client.lease(2)
             await client.submit(lease.lease_id, [_group(pg) for pg in lease.groups])
             assert client.span_submits == 3, "consumed groups gave their room back"
