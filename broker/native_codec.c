@@ -311,7 +311,6 @@ done:
 typedef struct {
     int present;
     PyObject *dtype; /* borrowed from dtype_objs */
-    const char *name;
     long long count, begin;
 } Spec;
 
@@ -438,7 +437,7 @@ static PyObject *layout(PyObject *self, PyObject *args) {
         if (!ds) goto reject;
         long long begin = data_start + offset;
         if (offset > size || count > size || begin + count * size_of(ds) > size) goto reject;
-        spec[a] = (Spec){1, dtype, NAMES[a], count, begin};
+        spec[a] = (Spec){1, dtype, count, begin};
         dtype_str[a] = ds;
         PyObject *entry = Py_BuildValue("(OLL)", dtype, count, begin);
         if (!entry || PyDict_SetItem(specs, key, entry) < 0) { Py_XDECREF(entry); goto fail; }
