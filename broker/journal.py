@@ -286,7 +286,9 @@ class Journal:
         writing a few small records (at 1K-token samples the writer thread's share of the broker's CPU
         was mostly that); large writes stay off the loop, which keeps serving meanwhile."""
         if self.background:
-            queue = self._queue
+            # A snapshot: the writer thread may take records meanwhile, and iterating the deque itself
+            # while it does raises ("deque mutated during iteration"); tuple() copies it without yielding.
+            queue = tuple(self._queue)
             if not queue:
                 return
             if (

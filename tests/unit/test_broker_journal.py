@@ -196,6 +196,33 @@ def test_background_mode_writes_small_commits_inline_and_large_ones_on_its_threa
     assert [k for k, _ in Journal(tmp_path).open()] == [Kind.GROUP, Kind.VERSION, Kind.GROUP]
 
 
+class _TakenWhileSized(bytes):
+    """A payload whose size, asked for, lets the writer thread take the queued records first: the
+    interleaving of a commit summing the queue while the thread empties it."""
+
+    journal: Journal | None = None
+
+    def __len__(self) -> int:
+        j, type(self).journal = type(self).journal, None
+        if j is not None:
+            with j._pass:  # what the writer thread does when it wakes
+                j._write_pass()
+        return super().__len__()
+
+
+def test_a_commit_sizing_the_queue_while_the_writer_thread_takes_it_goes_on(tmp_path):
+    j = Journal(tmp_path, fsync="never", background=True, inline_bytes=100_000)
+    j.open()
+    j.append(Kind.GROUP, b"first")
+    j.append(Kind.GROUP, _TakenWhileSized(b"second"))
+    j.append(Kind.VERSION, b"v")
+    _TakenWhileSized.journal = j
+    j.commit()  # raised "deque mutated during iteration" when it summed the live queue
+    assert _TakenWhileSized.journal is None  # the interleaving happened
+    j.close()
+    assert [k for k, _ in Journal(tmp_path).open()] == [Kind.GROUP, Kind.GROUP, Kind.VERSION]
+
+
 @pytest.mark.parametrize("background", [False, True])
 def test_compaction_refers_to_live_groups_where_they_lie_and_keeps_only_the_files_it_refers_to(
     tmp_path, background
