@@ -8,8 +8,10 @@ A payload may be written in pieces (``Pieces``); its checksum is the same as tha
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
+from collections.abc import Callable
 from enum import IntEnum
 from pathlib import Path
 
@@ -128,6 +130,39 @@ def file_mask(number: str, file_id: str | None) -> int:
     format 3 it follows from the file id, so that the records a reused file held before (another id)
     never check out as this file's: a file's blocks are written over, not freed (see ``spare_files``)."""
     return crc32(f"tidal journal {file_id}".encode()) if number not in ("1", "2") and file_id else 0
+
+
+_KIND_CRC = {kind: crc32(bytes((kind,))) for kind in (Kind.GROUP, Kind.PACKED)}
+
+
+@functools.cache
+def _crc32_combine() -> Callable[[int, int, int], int] | None:
+    from tidal.broker import native_codec  # the C module is built on first use; most readers never need it
+
+    module, _ = native_codec.load()
+    return None if module is None else module.crc32_combine
+
+
+def packed_crcs(frame: memoryview, packed: Pieces) -> tuple[int, int] | None:
+    """The CRC of the PACKED record ``packed`` (``pack_group``'s pieces of ``frame``) and that of a GROUP
+    record of ``frame`` itself (what a local memory reader checks the frame against), from one pass over
+    the frame where the two sums would pass over it twice: the bytes before the versions are summed once,
+    for the record, and the frame's sum over them follows from that one (a CRC register is linear in its
+    starting value: the two differ by their kind bytes' CRCs carried through those bytes). None where the
+    native codec (which carries CRCs) cannot be built: callers sum them as before."""
+    combine = _crc32_combine()
+    if combine is None:
+        return None
+    head, tail, *runs = packed.parts  # frame[:at], frame[at + nbytes:], run values, run lengths, trailer
+    versions = frame[len(head) : len(frame) - len(tail)]
+    packed_kind, group_kind = _KIND_CRC[Kind.PACKED], _KIND_CRC[Kind.GROUP]
+    record = crc32(head, packed_kind)
+    group = combine(packed_kind ^ group_kind, record, len(head))  # = crc32(head, group_kind)
+    group = crc32(tail, crc32(versions, group))
+    record = crc32(tail, record)  # the tail (what follows the versions) is mostly empty or small
+    for part in runs:
+        record = crc32(part, record)
+    return record, group
 
 
 def record_parts(

@@ -11,6 +11,8 @@
                                    -> (specs, prompt_lens, response_lens, rewards, vmin, vmax), or None
    samples(cls, columns, prompt_lens, response_lens, rewards, finish_reasons, metas)
                                    -> [Sample, ...] (views of the columns, no copies)
+   crc32_combine(crc_a, crc_b, len_b)
+                                   -> zlib.crc32(a + b)
 */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -396,7 +398,59 @@ static void range_i4(const char *p, long long count, long long *lo, long long *h
 }
 #endif
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HAVE_AVX2_PATH 1
+static int has_avx2; /* set at import: the CPU runs AVX2 (the build's flags assume no more than SSE2) */
+
+/* int32 eight lanes at a time, two accumulators deep: a group's versions at 1K tokens x 8 samples are
+   8192 entries, which the SSE2 loop above scans in ~2.5 us and this one in well under 1 */
+__attribute__((target("avx2"))) static void range_i4_avx2(const char *p, long long count, long long *lo,
+                                                           long long *hi) {
+    long long i = 0;
+    int32_t a, b;
+    if (count >= 16) {
+        __m256i mn0 = _mm256_loadu_si256((const __m256i *)p), mx0 = mn0, mn1 = mn0, mx1 = mn0;
+        for (; i + 16 <= count; i += 16) {
+            __m256i x0 = _mm256_loadu_si256((const __m256i *)(p + 4 * i));
+            __m256i x1 = _mm256_loadu_si256((const __m256i *)(p + 4 * i + 32));
+            mn0 = _mm256_min_epi32(mn0, x0);
+            mx0 = _mm256_max_epi32(mx0, x0);
+            mn1 = _mm256_min_epi32(mn1, x1);
+            mx1 = _mm256_max_epi32(mx1, x1);
+        }
+        int32_t lanes[16];
+        _mm256_storeu_si256((__m256i *)lanes, _mm256_min_epi32(mn0, mn1));
+        _mm256_storeu_si256((__m256i *)(lanes + 8), _mm256_max_epi32(mx0, mx1));
+        a = lanes[0];
+        b = lanes[8];
+        for (int k = 1; k < 8; k++) {
+            a = lanes[k] < a ? lanes[k] : a;
+            b = lanes[8 + k] > b ? lanes[8 + k] : b;
+        }
+    } else {
+        memcpy(&a, p, 4);
+        b = a;
+        i = 1;
+    }
+    for (; i < count; i++) {
+        int32_t x;
+        memcpy(&x, p + 4 * i, 4);
+        a = x < a ? x : a;
+        b = x > b ? x : b;
+    }
+    *lo = a;
+    *hi = b;
+}
+#endif
+
 static void int_range(const char *p, long long count, const char *dtype, long long *lo, long long *hi) {
+#ifdef HAVE_AVX2_PATH
+    if (has_avx2 && !strcmp(dtype, "<i4")) {
+        range_i4_avx2(p, count, lo, hi);
+        return;
+    }
+#endif
     if (!strcmp(dtype, "<i4")) range_i4(p, count, lo, hi);
     else if (!strcmp(dtype, "<i8")) range_i8(p, count, lo, hi);
     else if (!strcmp(dtype, "|i1")) range_i1(p, count, lo, hi);
@@ -556,6 +610,50 @@ fail:
     return NULL;
 }
 
+/* ---- crc32_combine: the CRC-32 of two byte strings joined, from the CRC of each ---- */
+
+/* zlib's CRC-32 (reflected polynomial 0xEDB88320) is linear over GF(2): the CRC of A + B is the CRC of A
+   carried through len(B) zero bytes, xor the CRC of B. Carrying a CRC through n zero bytes multiplies it by
+   x^(8n) modulo the polynomial, which takes log2(n) squarings. The broker uses it to have a group's frame
+   CRC and its PACKED record's CRC from one pass over the frame (state.py). */
+
+#define CRC_POLY 0xedb88320u
+
+static uint32_t gf2_multiply(uint32_t a, uint32_t b) { /* a * b modulo the polynomial, reflected bits */
+    uint32_t product = 0;
+    for (uint32_t bit = 0x80000000u; bit; bit >>= 1) {
+        if (a & bit) product ^= b;
+        b = (b & 1) ? (b >> 1) ^ CRC_POLY : b >> 1;
+    }
+    return product;
+}
+
+static uint32_t x_power[64]; /* x^(2^k) modulo the polynomial, reflected: filled at import */
+
+static void fill_x_powers(void) {
+    x_power[0] = 0x40000000u; /* x^1 */
+    for (int k = 1; k < 64; k++) x_power[k] = gf2_multiply(x_power[k - 1], x_power[k - 1]);
+}
+
+static uint32_t x_to_8n(unsigned long long n) { /* x^(8n) modulo the polynomial */
+    uint32_t result = 0x80000000u; /* 1 */
+    for (int k = 3; n; k++, n >>= 1)
+        if (n & 1) result = gf2_multiply(x_power[k], result);
+    return result;
+}
+
+static PyObject *crc32_combine(PyObject *self, PyObject *args) {
+    unsigned long first, second;
+    unsigned long long second_len;
+    if (!PyArg_ParseTuple(args, "kkK", &first, &second, &second_len)) return NULL;
+    if (first > 0xffffffffUL || second > 0xffffffffUL || second_len >> 60) {
+        PyErr_SetString(PyExc_ValueError, "crc32_combine: CRCs are 32-bit values and lengths below 2**60");
+        return NULL;
+    }
+    uint32_t crc = gf2_multiply(x_to_8n(second_len), (uint32_t)first) ^ (uint32_t)second;
+    return PyLong_FromUnsignedLong(crc);
+}
+
 /* ---- set-up ---- */
 
 static PyObject *configure(PyObject *self, PyObject *args) {
@@ -577,6 +675,8 @@ static PyMethodDef methods[] = {
     {"samples", samples, METH_VARARGS,
      "samples(cls, prompt_ids, response_ids, logprobs, versions, loss_mask, prompt_lens, response_lens, "
      "rewards, finish_reasons, metas) -> list of cls"},
+    {"crc32_combine", crc32_combine, METH_VARARGS,
+     "crc32_combine(crc_a, crc_b, len_b) -> zlib.crc32(a + b) from zlib.crc32(a) and zlib.crc32(b)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -585,6 +685,11 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "tidal_codec_native",
 PyMODINIT_FUNC PyInit_tidal_codec_native(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
+#ifdef HAVE_AVX2_PATH
+    __builtin_cpu_init();
+    has_avx2 = __builtin_cpu_supports("avx2");
+#endif
+    fill_x_powers();
     known_index = PyDict_New();
     if (!known_index) return NULL;
     for (int a = 0; a < NUM_KNOWN; a++) {

@@ -25,7 +25,7 @@ from tidal.broker.codec import inspect_group
 from tidal.broker.config import BrokerConfig
 from tidal.broker.journal import Journal
 from tidal.broker.journal_packing import pack_group
-from tidal.broker.journal_records import Kind, record_crc
+from tidal.broker.journal_records import Kind, packed_crcs, record_crc
 from tidal.broker.membership import RunModel, live_trainer, mismatch, model_of, second_trainer, takes_over
 from tidal.broker.protocol import (
     ANOTHER_TRAINER,
@@ -392,12 +392,17 @@ class BrokerState:
         packed = None
         if j.takes(Kind.PACKED) and s.info.versions_at is not None:
             at, count, dtype = s.info.versions_at
-            packed = pack_group(
-                memoryview(payload).cast("B"), at, count, dtype, s.info.min_version, s.info.max_version
-            )
+            frame = memoryview(payload).cast("B")
+            packed = pack_group(frame, at, count, dtype, s.info.min_version, s.info.max_version)
         if packed is not None:
-            # a local memory reader checks the frame's own CRC, computed when a batch first holds it
-            j.append(Kind.PACKED, packed)
+            # a local memory reader checks the frame's own CRC: both from one pass where they can be
+            # (else the record's when written, the frame's when a batch first holds it)
+            crcs = packed_crcs(frame, packed)
+            if crcs is not None:
+                record, s.crc = crcs
+                j.append(Kind.PACKED, packed, record)
+            else:
+                j.append(Kind.PACKED, packed)
             length = len(packed)
             self.packed_groups += 1
             self.packed_bytes_saved += len(payload) - length

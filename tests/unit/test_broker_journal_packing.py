@@ -10,6 +10,8 @@ from tidal.broker.journal import Journal
 from tidal.broker.journal_packing import Pieces, pack_group, unpack_group
 from tidal.broker.journal_records import (
     Kind,
+    _crc32_combine,
+    packed_crcs,
     read_records,
     record_crc,
     record_parts,
@@ -69,6 +71,12 @@ def test_packed_groups_come_back_byte_for_byte_and_smaller(versions, loss_mask):
     assert record_crc(Kind.PACKED, pieces) == record_crc(Kind.PACKED, _joined(pieces))
     header, *parts = record_parts(Kind.PACKED, pieces)
     assert b"".join(bytes(p) for p in parts) == _joined(pieces)
+    # the record's and the frame's CRC from one pass over the frame equal those summed the long way
+    if _crc32_combine() is not None:
+        assert packed_crcs(memoryview(frame), pieces) == (
+            record_crc(Kind.PACKED, pieces),
+            record_crc(Kind.GROUP, frame),
+        )
 
 
 @settings(max_examples=200, deadline=None)
@@ -85,6 +93,9 @@ def test_any_runs_of_versions_come_back_exactly_or_stay_unpacked(runs, split):
         assert len(runs) * 8 > flat.nbytes // 2 - 8
     else:
         assert bytes(unpack_group(memoryview(_joined(pieces)))) == frame.tobytes()
+        if _crc32_combine() is not None:
+            crcs = packed_crcs(memoryview(frame), pieces)
+            assert crcs == (record_crc(Kind.PACKED, pieces), record_crc(Kind.GROUP, frame))
 
 
 def test_versions_changing_every_token_are_journaled_as_they_came():

@@ -5,6 +5,7 @@ same error, which the Python checks raise) for any frame, the same summary and t
 """
 
 import struct
+import zlib
 
 import msgpack
 import numpy as np
@@ -237,3 +238,38 @@ def test_the_codec_runs_in_python_alone_where_the_c_code_cannot_be_built(monkeyp
         assert module is None and "failed" in reason
     finally:
         native_codec.load.cache_clear()
+
+
+@settings(max_examples=300, deadline=None)
+@given(hs.binary(max_size=3000), hs.binary(max_size=3000))
+def test_combined_crcs_equal_the_crc_of_the_joined_bytes(a, b):
+    assert native.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+def test_crc_combine_refuses_what_is_not_a_crc_or_a_length():
+    with pytest.raises(ValueError, match="32-bit"):
+        native.crc32_combine(1 << 32, 0, 1)
+    with pytest.raises(ValueError, match="2\\*\\*60"):
+        native.crc32_combine(0, 0, 1 << 60)
+
+
+@pytest.mark.parametrize("count", [1, 2, 15, 16, 17, 31, 32, 33, 8192, 8197])
+def test_the_versions_range_is_found_wherever_the_extremes_lie(count):
+    # the C scan runs 16 entries a step (AVX2 where the CPU has it) and the rest one by one
+    rng = np.random.default_rng(count)
+    for low_at, high_at in {(0, count - 1), (count - 1, 0), (count // 2, count // 3), (count - 1, count - 1)}:
+        versions = rng.integers(-100, 100, count).astype(np.int32)
+        versions[low_at] = -(2**31)
+        versions[high_at] = 2**31 - 1 if high_at != low_at else -(2**31)
+        sample = Sample(
+            prompt_ids=np.zeros(0, np.int32),
+            response_ids=np.zeros(count, np.int32),
+            logprobs=np.zeros(count, np.float32),
+            versions=versions,
+            reward=0.0,
+            finish_reason="stop",
+        )
+        frame = encode_group(Group(group_id="g", samples=[sample]))
+        info_c, info_py = inspect_group(frame), inspect_group(frame, native=False)
+        assert info_c == info_py
+        assert (info_c.min_version, info_c.max_version) == (int(versions.min()), int(versions.max()))

@@ -10,7 +10,7 @@ from tidal.broker.batch_refs import journal_refs
 from tidal.broker.codec import encode_group
 from tidal.broker.config import BrokerConfig
 from tidal.broker.journal import Journal
-from tidal.broker.journal_records import Kind, read_records, record_parts
+from tidal.broker.journal_records import Kind, _crc32_combine, read_records, record_crc, record_parts
 from tidal.broker.protocol import BAD_GROUP, BAD_REQUEST, LEASE_REJECTED, NOT_REGISTERED, ProtocolError
 from tidal.broker.source import PromptSource, load_rows
 from tidal.broker.state import BrokerState
@@ -424,3 +424,24 @@ def test_accepted_groups_are_journaled_packed_and_replay_as_the_frames_that_came
     assert [n for _, n in refs] == [len(p) for _, p in groups]  # a local reader reads the packed records
     again = make_state(tmp_path, max_staleness=3)
     assert [bytes(again.batch_store[g].frame) for g in batch.group_ids] == [f.tobytes() for f in sent]
+
+
+@pytest.mark.skipif(
+    _crc32_combine() is None, reason="the native codec (which combines CRCs) cannot be built here"
+)
+def test_a_packed_group_carries_its_frames_crc_from_the_one_pass_that_sums_its_record(tmp_path):
+    state = make_state(tmp_path)
+    node = state.register(b"a", "rollout", "a", {}, T0)
+    lease = state.lease(node, 2, T0)
+    sent = frames(lease, version=0)
+    state.submit(node, lease.lease_id, sent, T0)
+    state.journal.commit()
+    stored = [state.buffer[pg.group_id] for pg in lease.groups]
+    assert state.packed_groups == 2
+    for s, frame in zip(stored, sent, strict=True):
+        assert s.crc == record_crc(Kind.GROUP, frame)  # what a local memory reader checks
+    # and the records written carry their own CRC, which replaying them checks
+    state.journal.close()
+    again = make_state(tmp_path)
+    assert list(again.buffer) == [pg.group_id for pg in lease.groups]
+    assert [bytes(again.buffer[pg.group_id].frame) for pg in lease.groups] == [f.tobytes() for f in sent]
