@@ -30,7 +30,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tidal.broker.journal_files import JournalFiles, fsync_path
 from tidal.broker.journal_packing import Pieces
@@ -57,6 +57,9 @@ from tidal.broker.journal_records import (
 )
 from tidal.broker.journal_writers import BufferedWriter, DirectWriter, open_writer
 
+if TYPE_CHECKING:
+    from tidal.broker.config import JournalConfig
+
 log = logging.getLogger(__name__)
 
 _PR_SET_NAME = 15  # prctl option (linux/prctl.h)
@@ -73,6 +76,21 @@ class Journal:
     ``on_durable`` (called from that thread), so the event loop does not wait for large writes; as that
     costs two thread wake-ups per commit, a commit of at most ``inline_bytes`` is written by the
     committing thread itself while the writer thread is idle."""
+
+    @classmethod
+    def from_config(cls, directory: str | Path, jc: JournalConfig) -> Journal:
+        """The journal as ``broker.journal`` configures it (``writer``: 'thread' = background, 'loop' =
+        deferred)."""
+        return cls(
+            directory,
+            fsync=jc.fsync,
+            fsync_interval_s=jc.fsync_interval_s,
+            direct_io=jc.direct_io,
+            background=jc.writer == "thread",
+            deferred=jc.writer == "loop",
+            inline_bytes=jc.inline_bytes,
+            spare_files=jc.spare_files,
+        )
 
     def __init__(
         self,

@@ -47,16 +47,7 @@ def build_state(config) -> BrokerState:
     source = PromptSource(rows, seed=cfg.data.seed, shuffle=cfg.data.shuffle, epochs=cfg.data.epochs)
     journal_dir = config.journal_dir()
     _held_locks.append(lock_journal_dir(journal_dir, cfg.bind))  # for the process's life
-    journal = Journal(
-        journal_dir,
-        fsync=cfg.journal.fsync,
-        fsync_interval_s=cfg.journal.fsync_interval_s,
-        direct_io=cfg.journal.direct_io,
-        background=cfg.journal.writer == "thread",
-        deferred=cfg.journal.writer == "loop",
-        inline_bytes=cfg.journal.inline_bytes,
-        spare_files=cfg.journal.spare_files,
-    )
+    journal = Journal.from_config(journal_dir, cfg.journal)
     state = BrokerState(cfg, source, journal)
     records = journal.open()
     state.replay(records, journal.replayed_locs)
