@@ -352,7 +352,11 @@ class Journal:
                     self._lock.wait()
                 self._idle = False
             if not self._queue:
-                return
+                # stopping; or a commit on the event loop wrote what woke this thread since it looked
+                # (it returned here too, and larger commits then waited for a writer that was gone)
+                if self._stop.is_set():
+                    return
+                continue
             with self._pass:
                 seq = self._write_pass(report=True)
             if seq is not None and self.on_durable is not None:

@@ -1,6 +1,8 @@
 """The journal: records survive reopening; a torn or corrupt tail is cut off; compaction is atomic."""
 
 import os
+import threading
+from collections import deque
 
 import pytest
 
@@ -221,6 +223,34 @@ def test_a_commit_sizing_the_queue_while_the_writer_thread_takes_it_goes_on(tmp_
     assert _TakenWhileSized.journal is None  # the interleaving happened
     j.close()
     assert [k for k, _ in Journal(tmp_path).open()] == [Kind.GROUP, Kind.GROUP, Kind.VERSION]
+
+
+class _EmptiedAfterTheWakeUp:
+    """A queue the writer thread finds holding records when it wakes and empty when it then looks again:
+    an inline commit on the event loop wrote them in between."""
+
+    def __init__(self) -> None:
+        self.looks = iter([True, False])
+
+    def __bool__(self) -> bool:
+        return next(self.looks, False)
+
+
+def test_the_writer_thread_keeps_waiting_when_an_inline_commit_took_what_woke_it(tmp_path):
+    j = Journal(tmp_path, fsync="never")  # no thread of its own: this test runs the writer's loop
+    j.open()
+    j._queue = _EmptiedAfterTheWakeUp()
+    writer = threading.Thread(target=j._write_loop, daemon=True)
+    writer.start()
+    writer.join(0.3)
+    assert writer.is_alive()  # it returned here, and later commits waited for a writer that was gone
+    j._stop.set()
+    with j._lock:
+        j._lock.notify_all()
+    writer.join(5)
+    assert not writer.is_alive()  # it still stops when told to
+    j._queue = deque()
+    j.close()
 
 
 @pytest.mark.parametrize("background", [False, True])
