@@ -54,7 +54,7 @@ from tidal.broker.client import AsyncBrokerClient, BrokerClient
 from tidal.broker.config import BrokerConfig
 from tidal.broker.testing import start_broker
 from tidal.broker.types import Group, Sample
-from tidal.procs import free_port, stop
+from tidal.procs import free_port, stop, tail
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import free_codec  # noqa: E402
@@ -271,7 +271,10 @@ def run_broker(
                 batch_wait += time.perf_counter() - t
                 if batch is None:
                     codes = [p.exitcode for p in procs]
-                    raise RuntimeError(f"no batch within {BATCH_WAIT_S} s; producer exit codes {codes}")
+                    raise RuntimeError(
+                        f"no batch within {BATCH_WAIT_S} s; producer exit codes {codes}\n"
+                        f"--- the broker's log ({run_dir / 'broker.log'}), last lines:\n{tail(run_dir / 'broker.log', 40)}"
+                    )
                 if i + 1 < len(sizes):
                     ahead = pool.submit(fetcher.get_batch, batch.batch_id, sizes[i + 1], BATCH_WAIT_S)
                 received += sum(len(g.samples) for g in batch.groups)
