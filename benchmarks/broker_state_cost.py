@@ -5,10 +5,10 @@ At 1K-token samples the broker path is bound by per-group CPU spread over many s
 four processes on two cores, whose noise (+-10% between rounds) hides a step worth a few percent. This
 script times the broker's own per-group work alone, on the main thread, as its event loop does it:
 
-- ``tidal``: a ``BrokerState`` on a real journal (the broker's default journal settings: O_DIRECT, the
-  writer thread with small commits written inline) serving one rollout node and a trainer: lease a window
-  of groups (``lease`` and the pushed lease's wire form, as ``BrokerServer._push_leases`` sends it),
-  submit them ``--per-lease`` groups at a time with a commit after each (one event-loop wake-up each),
+- ``tidal``: a ``BrokerState`` on a real journal (the broker's default journal settings: O_DIRECT, each
+  commit written by the committing thread; ``--journal-writer thread`` for the writer thread) serving one
+  rollout node and a trainer: lease a window of groups (``lease`` and the pushed lease's wire form, as
+  ``BrokerServer._push_leases`` sends it), submit them ``--per-lease`` groups at a time with a commit after each (one event-loop wake-up each),
   then cut the window's batches with the refs a local trainer copies them by (``memory_refs``), publish a
   version and report them consumed (``report_consumed`` forgets them);
 - ``floor``: what ``broker_floor.py``'s broker does per group: check the frame (``inspect_group``), sum
@@ -17,8 +17,8 @@ script times the broker's own per-group work alone, on the main thread, as its e
 Frames are encoded before each window, outside the timed parts (a rollout node's work), into a ring many
 times the size of the CPU's caches, as a node's submit ring is: the broker reads frames another core
 wrote. Each variant runs ``--repeats`` rounds, interleaved; the table shows the median microseconds per
-group of each step (main-thread CPU time; the journal writer thread's is shown apart) and tidal's ratio
-to the floor.
+group, all threads, and of each step on the main thread (CPU time; the journal's threads are shown apart),
+and tidal's ratio to the floor.
 
     .venv/bin/python benchmarks/broker_state_cost.py --out runs/bench/broker_state_cost.json
 """
@@ -43,7 +43,7 @@ from isal.isal_zlib import crc32
 from tidal.broker import protocol as proto
 from tidal.broker.batch_refs import memory_refs
 from tidal.broker.codec import encode_group, inspect_group, lease_to_wire
-from tidal.broker.config import BrokerConfig
+from tidal.broker.config import BrokerConfig, JournalConfig
 from tidal.broker.journal import Journal
 from tidal.broker.journal_writers import DirectWriter
 from tidal.broker.source import PromptSource, load_rows
@@ -248,10 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--journal-writer",
         choices=["thread", "loop"],
-        default="thread",
-        help="tidal's journal.writer: 'thread' (the default) splits the writes between the main thread and "
-        "the writer thread as each commit finds it busy or idle; 'loop' writes every commit on the main "
-        "thread, the steadier figure for comparing two versions of the code",
+        default=JournalConfig().writer,
+        help="tidal's journal.writer (default: the broker's): 'loop' writes every commit on the main thread; "
+        "'thread' splits the writes between the main thread and the writer thread as each commit finds it "
+        "busy or idle",
     )
     ap.add_argument(
         "--ring-mib", type=int, default=512, help="memory the frames cycle through (far more than any cache)"
