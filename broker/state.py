@@ -66,6 +66,9 @@ class BrokerState:
         # failed sampling attempts of outstanding groups (journaled as ATTEMPTS from journal format 5)
         self.failures: Counter[str] = Counter()
         self.leases: dict[str, LeaseState] = {}
+        # groups on leases, not yet submitted: the sum of every lease's ``pending``, kept as they change
+        # (admission reads it for every lease granted, and summing it walked every lease in flight)
+        self.leased_groups = 0
         self.nodes: dict[str, Node] = {}
         self.peers: dict[bytes, str] = {}
         self.streaming: dict[str, None] = {}  # node ids with a standing lease request (ordered set)
@@ -190,7 +193,12 @@ class BrokerState:
     # ------------------------------------------------------------------ leases
     @property
     def leased(self) -> int:
-        return sum(len(lease.pending) for lease in self.leases.values())
+        return self.leased_groups
+
+    def _unlease(self, lease: LeaseState, gid: str) -> None:
+        """Take a group off a lease (submitted, given back or dropped)."""
+        del lease.pending[gid]
+        self.leased_groups -= 1
 
     def capacity(self) -> int:
         return st.admission_capacity(
@@ -225,6 +233,7 @@ class BrokerState:
         lease_id = f"{self._lease_prefix}{next(self._lease_count):x}"
         lease = LeaseState(lease_id, node.node_id, now + self.cfg.lease_timeout_s, groups)
         self.leases[lease.lease_id] = lease
+        self.leased_groups += len(groups)
         node.leases.add(lease.lease_id)
         return Lease(lease.lease_id, lease.deadline, list(groups.values()))
 
@@ -269,7 +278,7 @@ class BrokerState:
         lease = self.leases[lease_id]
         ids = list(lease.pending) if group_ids is None else [g for g in group_ids if g in lease.pending]
         for g in ids:
-            del lease.pending[g]
+            self._unlease(lease, g)
         self.requeue.extendleft(reversed(ids))
         if not lease.pending:
             self._close_lease(lease)
@@ -307,7 +316,7 @@ class BrokerState:
 
     def _drop_failed(self, lease: LeaseState, gid: str, node: Node, error: str) -> None:
         self._log(Kind.DROP, _pack({"id": gid, "reason": "failed", "error": error[:500]}))
-        del lease.pending[gid]
+        self._unlease(lease, gid)
         self.outstanding.pop(gid, None)
         self.failures.pop(gid, None)
         self.counters.failed_groups += 1
@@ -379,7 +388,7 @@ class BrokerState:
                 accepted.append(gid)
             self.outstanding.pop(gid, None)
             self.failures.pop(gid, None)
-            del lease.pending[gid]
+            self._unlease(lease, gid)
         if not lease.pending:
             self._close_lease(lease)
         return {"accepted": accepted, "filtered": filtered}

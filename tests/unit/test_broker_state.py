@@ -445,3 +445,49 @@ def test_a_packed_group_carries_its_frames_crc_from_the_one_pass_that_sums_its_r
     again = make_state(tmp_path)
     assert list(again.buffer) == [pg.group_id for pg in lease.groups]
     assert [bytes(again.buffer[pg.group_id].frame) for pg in lease.groups] == [f.tobytes() for f in sent]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=hs.data())
+def test_the_count_of_leased_groups_follows_every_way_a_group_leaves_a_lease(tmp_path_factory, data):
+    """Admission reads the leased groups as a running count: it must equal the groups still pending on the
+    leases after leases, whole and partial submits, releases (failed or not), expiries and leaves."""
+    state = make_state(
+        tmp_path_factory.mktemp("s"),
+        rows=16,
+        epochs=3,
+        with_journal=False,
+        max_staleness=50,
+        lease_timeout_s=5.0,
+        node_timeout_s=8.0,
+        max_group_failures=2,
+    )
+    for i in range(3):
+        state.register(bytes([i]), "rollout", str(i), {}, T0)
+    now = T0
+    for _ in range(data.draw(hs.integers(10, 80))):
+        op = data.draw(hs.sampled_from(["lease", "submit", "release", "fail", "tick", "leave"]))
+        live = [lease for lease in state.leases.values() if lease.node_id in state.nodes]
+        if op == "lease":
+            node = data.draw(hs.sampled_from(list(state.nodes.values()))) if state.nodes else None
+            if node is not None:
+                state.lease(node, data.draw(hs.integers(1, 4)), now)
+        elif op in ("submit", "release", "fail") and live:
+            lease = data.draw(hs.sampled_from(live))
+            node = state.nodes[lease.node_id]
+            ids = list(lease.pending)
+            some = ids[: data.draw(hs.integers(1, len(ids)))]
+            if op == "submit":
+                pgs = [lease.pending[g] for g in some]
+                state.submit(node, lease.lease_id, [encode_group(fake_group(pg)) for pg in pgs], now)
+            else:
+                state.release(node, lease.lease_id, some, "engine error" if op == "fail" else None)
+        elif op == "tick":
+            now += data.draw(hs.sampled_from([1.0, 6.0]))
+            for node in state.nodes.values():
+                if data.draw(hs.booleans()):
+                    state.heartbeat(state.node_for(node.peer, now), now)
+            state.expire(now)
+        elif op == "leave" and len(state.nodes) > 1:
+            state.leave(data.draw(hs.sampled_from(list(state.nodes.values()))))
+        assert state.leased == sum(len(lease.pending) for lease in state.leases.values())
