@@ -199,6 +199,9 @@ class BrokerState:
         """Take a group off a lease (submitted, given back or dropped)."""
         del lease.pending[gid]
         self.leased_groups -= 1
+        node = self.nodes.get(lease.node_id)  # a node leaves only once its leases are given back
+        if node is not None:
+            node.in_flight -= 1
 
     def capacity(self) -> int:
         return st.admission_capacity(
@@ -234,6 +237,7 @@ class BrokerState:
         lease = LeaseState(lease_id, node.node_id, now + self.cfg.lease_timeout_s, groups)
         self.leases[lease.lease_id] = lease
         self.leased_groups += len(groups)
+        node.in_flight += len(groups)
         node.leases.add(lease.lease_id)
         return Lease(lease.lease_id, lease.deadline, list(groups.values()))
 
@@ -252,7 +256,7 @@ class BrokerState:
             self.streaming.pop(node.node_id, None)
 
     def in_flight(self, node: Node) -> int:
-        return sum(len(self.leases[lease_id].pending) for lease_id in node.leases)
+        return node.in_flight
 
     def push_leases(self, now: float) -> list[tuple[Node, Lease | None]]:
         """Leases for the streaming nodes up to their credit (a submit, release or expiry returned some),

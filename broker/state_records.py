@@ -21,6 +21,7 @@ class Node:
     last_seen: float
     alive: bool = True
     leases: set[str] = field(default_factory=set)
+    in_flight: int = 0  # groups pending on its leases, counted as they come and go (BrokerState._unlease)
     # Standing lease request (``stream_leases``): groups the node wants in flight, at most
     # ``stream_max`` per pushed lease; 0 = not streaming. ``told_finished``: the end of the data was pushed.
     credit: int = 0

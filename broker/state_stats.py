@@ -79,7 +79,7 @@ def state_stats(state: BrokerState, now: float) -> dict[str, Any]:
                 "alive": n.alive,
                 "seen_s_ago": round(now - n.last_seen, 3),
                 "leases": len(n.leases),
-                "groups_in_flight": sum(len(state.leases[x].pending) for x in n.leases),
+                "groups_in_flight": n.in_flight,
                 "meta": n.meta,
             }
             for n in state.nodes.values()

@@ -450,8 +450,9 @@ def test_a_packed_group_carries_its_frames_crc_from_the_one_pass_that_sums_its_r
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=hs.data())
 def test_the_count_of_leased_groups_follows_every_way_a_group_leaves_a_lease(tmp_path_factory, data):
-    """Admission reads the leased groups as a running count: it must equal the groups still pending on the
-    leases after leases, whole and partial submits, releases (failed or not), expiries and leaves."""
+    """Admission reads the leased groups as a running count, and lease pushes each node's: they must equal
+    the groups still pending on the leases after leases, whole and partial submits, releases (failed or
+    not), expiries and leaves."""
     state = make_state(
         tmp_path_factory.mktemp("s"),
         rows=16,
@@ -491,3 +492,5 @@ def test_the_count_of_leased_groups_follows_every_way_a_group_leaves_a_lease(tmp
         elif op == "leave" and len(state.nodes) > 1:
             state.leave(data.draw(hs.sampled_from(list(state.nodes.values()))))
         assert state.leased == sum(len(lease.pending) for lease in state.leases.values())
+        for node in state.nodes.values():
+            assert node.in_flight == sum(len(state.leases[x].pending) for x in node.leases)
