@@ -360,32 +360,15 @@ RANGE_OF(uint8_t, range_u1)
 RANGE_OF(uint16_t, range_u2)
 #undef RANGE_OF
 
-#if defined(__SSE2__)
-/* int32 (the versions' usual dtype) four lanes at a time: SSE2 has no pminsd, so compare and select */
-static void range_i4(const char *p, long long count, long long *lo, long long *hi) {
-    long long i = 0;
-    int32_t a, b;
-    if (count >= 8) {
-        __m128i mn = _mm_loadu_si128((const __m128i *)p), mx = mn;
-        for (i = 4; i + 4 <= count; i += 4) {
-            __m128i x = _mm_loadu_si128((const __m128i *)(p + 4 * i));
-            __m128i less = _mm_cmplt_epi32(x, mn), more = _mm_cmpgt_epi32(x, mx);
-            mn = _mm_or_si128(_mm_and_si128(less, x), _mm_andnot_si128(less, mn));
-            mx = _mm_or_si128(_mm_and_si128(more, x), _mm_andnot_si128(more, mx));
-        }
-        int32_t lanes[8];
-        _mm_storeu_si128((__m128i *)lanes, mn);
-        _mm_storeu_si128((__m128i *)(lanes + 4), mx);
-        a = lanes[0];
-        b = lanes[4];
-        for (int k = 1; k < 4; k++) {
-            a = lanes[k] < a ? lanes[k] : a;
-            b = lanes[4 + k] > b ? lanes[4 + k] : b;
-        }
-    } else {
-        memcpy(&a, p, 4);
-        b = a;
-        i = 1;
+#if defined(__SSE2__) || (defined(__x86_64__) && defined(__GNUC__))
+/* The vector loops' end: ``lanes`` holds ``width`` minima then ``width`` maxima of the entries before
+   ``i``; the entries from ``i`` on are folded in one by one. */
+static void finish_range_i4(const int32_t *lanes, int width, const char *p, long long i, long long count,
+                            long long *lo, long long *hi) {
+    int32_t a = lanes[0], b = lanes[width];
+    for (int k = 1; k < width; k++) {
+        a = lanes[k] < a ? lanes[k] : a;
+        b = lanes[width + k] > b ? lanes[width + k] : b;
     }
     for (; i < count; i++) {
         int32_t x;
@@ -395,58 +378,69 @@ static void range_i4(const char *p, long long count, long long *lo, long long *h
     }
     *lo = a;
     *hi = b;
+}
+#endif
+
+#if defined(__SSE2__)
+/* int32 (the versions' usual dtype) four lanes at a time: SSE2 has no pminsd, so compare and select */
+static void range_i4(const char *p, long long count, long long *lo, long long *hi) {
+    int32_t lanes[8];
+    if (count < 8) {
+        memcpy(lanes, p, 4); /* one lane: the first entry is both the least and the greatest so far */
+        lanes[1] = lanes[0];
+        finish_range_i4(lanes, 1, p, 1, count, lo, hi);
+        return;
+    }
+    __m128i mn = _mm_loadu_si128((const __m128i *)p), mx = mn;
+    long long i;
+    for (i = 4; i + 4 <= count; i += 4) {
+        __m128i x = _mm_loadu_si128((const __m128i *)(p + 4 * i));
+        __m128i less = _mm_cmplt_epi32(x, mn), more = _mm_cmpgt_epi32(x, mx);
+        mn = _mm_or_si128(_mm_and_si128(less, x), _mm_andnot_si128(less, mn));
+        mx = _mm_or_si128(_mm_and_si128(more, x), _mm_andnot_si128(more, mx));
+    }
+    _mm_storeu_si128((__m128i *)lanes, mn);
+    _mm_storeu_si128((__m128i *)(lanes + 4), mx);
+    finish_range_i4(lanes, 4, p, i, count, lo, hi);
 }
 #endif
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define HAVE_AVX2_PATH 1
-static int has_avx2; /* set at import: the CPU runs AVX2 (the build's flags assume no more than SSE2) */
+static int has_avx2;  /* set at import: the CPU runs AVX2 (the build's flags assume no more than SSE2) */
+static int avoid_avx2; /* use_avx2(False): the SSE2 loop instead, so tests run both where AVX2 is */
 
 /* int32 eight lanes at a time, two accumulators deep: a group's versions at 1K tokens x 8 samples are
    8192 entries, which the SSE2 loop above scans in ~2.5 us and this one in well under 1 */
 __attribute__((target("avx2"))) static void range_i4_avx2(const char *p, long long count, long long *lo,
                                                            long long *hi) {
+    int32_t lanes[16];
+    if (count < 16) {
+        memcpy(lanes, p, 4);
+        lanes[1] = lanes[0];
+        finish_range_i4(lanes, 1, p, 1, count, lo, hi);
+        return;
+    }
+    __m256i mn0 = _mm256_loadu_si256((const __m256i *)p), mx0 = mn0, mn1 = mn0, mx1 = mn0;
     long long i = 0;
-    int32_t a, b;
-    if (count >= 16) {
-        __m256i mn0 = _mm256_loadu_si256((const __m256i *)p), mx0 = mn0, mn1 = mn0, mx1 = mn0;
-        for (; i + 16 <= count; i += 16) {
-            __m256i x0 = _mm256_loadu_si256((const __m256i *)(p + 4 * i));
-            __m256i x1 = _mm256_loadu_si256((const __m256i *)(p + 4 * i + 32));
-            mn0 = _mm256_min_epi32(mn0, x0);
-            mx0 = _mm256_max_epi32(mx0, x0);
-            mn1 = _mm256_min_epi32(mn1, x1);
-            mx1 = _mm256_max_epi32(mx1, x1);
-        }
-        int32_t lanes[16];
-        _mm256_storeu_si256((__m256i *)lanes, _mm256_min_epi32(mn0, mn1));
-        _mm256_storeu_si256((__m256i *)(lanes + 8), _mm256_max_epi32(mx0, mx1));
-        a = lanes[0];
-        b = lanes[8];
-        for (int k = 1; k < 8; k++) {
-            a = lanes[k] < a ? lanes[k] : a;
-            b = lanes[8 + k] > b ? lanes[8 + k] : b;
-        }
-    } else {
-        memcpy(&a, p, 4);
-        b = a;
-        i = 1;
+    for (; i + 16 <= count; i += 16) {
+        __m256i x0 = _mm256_loadu_si256((const __m256i *)(p + 4 * i));
+        __m256i x1 = _mm256_loadu_si256((const __m256i *)(p + 4 * i + 32));
+        mn0 = _mm256_min_epi32(mn0, x0);
+        mx0 = _mm256_max_epi32(mx0, x0);
+        mn1 = _mm256_min_epi32(mn1, x1);
+        mx1 = _mm256_max_epi32(mx1, x1);
     }
-    for (; i < count; i++) {
-        int32_t x;
-        memcpy(&x, p + 4 * i, 4);
-        a = x < a ? x : a;
-        b = x > b ? x : b;
-    }
-    *lo = a;
-    *hi = b;
+    _mm256_storeu_si256((__m256i *)lanes, _mm256_min_epi32(mn0, mn1));
+    _mm256_storeu_si256((__m256i *)(lanes + 8), _mm256_max_epi32(mx0, mx1));
+    finish_range_i4(lanes, 8, p, i, count, lo, hi);
 }
 #endif
 
 static void int_range(const char *p, long long count, const char *dtype, long long *lo, long long *hi) {
 #ifdef HAVE_AVX2_PATH
-    if (has_avx2 && !strcmp(dtype, "<i4")) {
+    if (has_avx2 && !avoid_avx2 && !strcmp(dtype, "<i4")) {
         range_i4_avx2(p, count, lo, hi);
         return;
     }
@@ -654,6 +648,17 @@ static PyObject *crc32_combine(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLong(crc);
 }
 
+static PyObject *use_avx2(PyObject *self, PyObject *arg) {
+    int want = PyObject_IsTrue(arg);
+    if (want < 0) return NULL;
+#ifdef HAVE_AVX2_PATH
+    avoid_avx2 = !want;
+    return PyBool_FromLong(has_avx2 && want);
+#else
+    return PyBool_FromLong(0);
+#endif
+}
+
 /* ---- set-up ---- */
 
 static PyObject *configure(PyObject *self, PyObject *args) {
@@ -675,6 +680,9 @@ static PyMethodDef methods[] = {
     {"samples", samples, METH_VARARGS,
      "samples(cls, prompt_ids, response_ids, logprobs, versions, loss_mask, prompt_lens, response_lens, "
      "rewards, finish_reasons, metas) -> list of cls"},
+    {"use_avx2", use_avx2, METH_O,
+     "use_avx2(flag) -> whether the versions' range is now scanned with AVX2 (only where the CPU has it; "
+     "False: the SSE2 loop, for tests)"},
     {"crc32_combine", crc32_combine, METH_VARARGS,
      "crc32_combine(crc_a, crc_b, len_b) -> zlib.crc32(a + b) from zlib.crc32(a) and zlib.crc32(b)"},
     {NULL, NULL, 0, NULL},

@@ -253,9 +253,16 @@ def test_crc_combine_refuses_what_is_not_a_crc_or_a_length():
         native.crc32_combine(0, 0, 1 << 60)
 
 
-@pytest.mark.parametrize("count", [1, 2, 15, 16, 17, 31, 32, 33, 8192, 8197])
-def test_the_versions_range_is_found_wherever_the_extremes_lie(count):
-    # the C scan runs 16 entries a step (AVX2 where the CPU has it) and the rest one by one
+@pytest.fixture(params=[True, False], ids=["avx2-where-the-cpu-has-it", "sse2"])
+def vector_path(request):
+    native.use_avx2(request.param)
+    yield
+    native.use_avx2(True)
+
+
+@pytest.mark.parametrize("count", [1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 8192, 8197])
+def test_the_versions_range_is_found_wherever_the_extremes_lie(count, vector_path):
+    # the C scans run 4 (SSE2) or 16 (AVX2) entries a step and the rest one by one
     rng = np.random.default_rng(count)
     for low_at, high_at in {(0, count - 1), (count - 1, 0), (count // 2, count // 3), (count - 1, count - 1)}:
         versions = rng.integers(-100, 100, count).astype(np.int32)
