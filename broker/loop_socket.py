@@ -6,8 +6,9 @@ rollout node's messages (a lease pushed, a submit, its acknowledgement) cost abo
 them (docs/decisions.md). The broker's own loop already reads its socket this way (server.py).
 
 ZeroMQ's descriptor signals edges only, and any operation on the socket may consume the edge of an event
-that arrived meanwhile: a waiter re-reads ``EVENTS`` before it sleeps, and a send wakes the waiters so they
-look again.
+that arrived meanwhile: a waiter re-reads ``EVENTS`` before it sleeps, a read of ``EVENTS`` wakes the other
+waiters whose event it shows (a receive's read may be what makes a waiting send's connection usable), and
+a send wakes the waiters so they look again.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class LoopSocket:
         self.sock = sock
         self._fd = sock.getsockopt(zmq.FD)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._waiters: list[asyncio.Future] = []
+        self._waiters: list[tuple[int, asyncio.Future]] = []  # (the events it waits for, its future)
 
     def _attach(self) -> asyncio.AbstractEventLoop:
         loop = asyncio.get_running_loop()
@@ -53,16 +54,27 @@ class LoopSocket:
             # call back at once, again and again). A later waiter reads them itself before it sleeps.
             self.sock.getsockopt(zmq.EVENTS)
 
-    def _wake(self) -> None:
+    def _wake(self, events: int = -1) -> None:
+        """Wake the waiters for any of ``events`` (all of them by default)."""
         waiters, self._waiters = self._waiters, []
-        for w in waiters:
-            if not w.done():
-                w.set_result(None)
+        for event, w in waiters:
+            if event & events:
+                if not w.done():
+                    w.set_result(None)
+            else:
+                self._waiters.append((event, w))
 
     async def _until(self, event: int, loop: asyncio.AbstractEventLoop) -> None:
-        while not self.sock.getsockopt(zmq.EVENTS) & event:
+        while True:
+            events = self.sock.getsockopt(zmq.EVENTS)
+            if self._waiters and events:
+                # This read may have consumed the descriptor's edge for another waiter's event (a send
+                # waiting for its connection while a receive looks): that waiter would sleep on.
+                self._wake(events)
+            if events & event:
+                return
             waiter = loop.create_future()
-            self._waiters.append(waiter)
+            self._waiters.append((event, waiter))
             await waiter
 
     async def recv_multipart(self, copy: bool = False) -> list[Any]:

@@ -1,6 +1,7 @@
 """LoopSocket: a plain ZeroMQ socket awaited on the asyncio loop (the rollout node's client socket)."""
 
 import asyncio
+import os
 import threading
 
 import pytest
@@ -129,3 +130,57 @@ def test_close_after_the_loop_ended_and_reuse_on_a_new_loop(pair):
     assert uvloop.run(round_trip(b"b")) == [b"b"]  # the first loop is closed: it follows the new one
     sock.close()
     assert sock.sock.closed
+
+
+class _ConnectsWhenLookedAt:
+    """A DEALER stand-in whose connection completes inside a read of ``EVENTS`` (as ZeroMQ processes the
+    connection's command there), with a descriptor that never turns readable again: the one edge is
+    taken by whoever reads the events."""
+
+    closed = False
+
+    def __init__(self):
+        self._fd_read, self._fd_write = os.pipe()
+        self.connected = False
+        self.looks = 0
+        self.sent = []
+
+    def getsockopt(self, option):
+        if option == zmq.FD:
+            return self._fd_read
+        self.looks += 1
+        if self.looks == 2:  # the receive's look, after the send's first one found no connection
+            self.connected = True
+        return zmq.POLLOUT if self.connected else 0
+
+    def send_multipart(self, frames, flags=0, copy=True):
+        if not self.connected:
+            raise zmq.Again()
+        self.sent.append(frames)
+
+    def recv_multipart(self, flags=0, copy=True):
+        raise zmq.Again()
+
+    def close(self, linger=0):
+        os.close(self._fd_read)
+        os.close(self._fd_write)
+
+
+@pytest.mark.parametrize("run", [asyncio.run, uvloop.run], ids=["asyncio", "uvloop"])
+def test_a_send_waiting_for_its_connection_is_woken_when_a_receive_sees_it(run):
+    # A node's first request: its send waits for the connection while its reply reader starts receiving.
+    # The reader's look at the events is what completes the connection; the send slept on (for its whole
+    # timeout: a rollout node's `register` went unanswered so, twice in ~45 benchmark runs).
+    fake = _ConnectsWhenLookedAt()
+    sock = LoopSocket(fake)
+
+    async def main():
+        send = asyncio.ensure_future(sock.send_multipart([b"register"]))
+        await asyncio.sleep(0)  # the send tries, finds no connection and waits
+        receive = asyncio.ensure_future(sock.recv_multipart())
+        await asyncio.wait_for(send, 5)
+        receive.cancel()
+
+    run(main())
+    assert fake.sent == [[b"register"]]
+    sock.close()
