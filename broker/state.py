@@ -68,7 +68,7 @@ class BrokerState:
         self.leases: dict[str, LeaseState] = {}
         # groups on leases, not yet submitted: the sum of every lease's ``pending``, kept as they change
         # (admission reads it for every lease granted, and summing it walked every lease in flight)
-        self.leased_groups = 0
+        self.leased = 0
         self.nodes: dict[str, Node] = {}
         self.peers: dict[bytes, str] = {}
         self.streaming: dict[str, None] = {}  # node ids with a standing lease request (ordered set)
@@ -191,14 +191,10 @@ class BrokerState:
         self.streaming.pop(node.node_id, None)
 
     # ------------------------------------------------------------------ leases
-    @property
-    def leased(self) -> int:
-        return self.leased_groups
-
     def _unlease(self, lease: LeaseState, gid: str) -> None:
         """Take a group off a lease (submitted, given back or dropped)."""
         del lease.pending[gid]
-        self.leased_groups -= 1
+        self.leased -= 1
         node = self.nodes.get(lease.node_id)  # a node leaves only once its leases are given back
         if node is not None:
             node.in_flight -= 1
@@ -236,7 +232,7 @@ class BrokerState:
         lease_id = f"{self._lease_prefix}{next(self._lease_count):x}"
         lease = LeaseState(lease_id, node.node_id, now + self.cfg.lease_timeout_s, groups)
         self.leases[lease.lease_id] = lease
-        self.leased_groups += len(groups)
+        self.leased += len(groups)
         node.in_flight += len(groups)
         node.leases.add(lease.lease_id)
         return Lease(lease.lease_id, lease.deadline, list(groups.values()))
@@ -255,9 +251,6 @@ class BrokerState:
         if credit == 0:
             self.streaming.pop(node.node_id, None)
 
-    def in_flight(self, node: Node) -> int:
-        return node.in_flight
-
     def push_leases(self, now: float) -> list[tuple[Node, Lease | None]]:
         """Leases for the streaming nodes up to their credit (a submit, release or expiry returned some),
         while admission allows; ``(node, None)`` once per node when the data is exhausted."""
@@ -266,7 +259,7 @@ class BrokerState:
             node = self.nodes.get(node_id)
             if node is None or not node.alive:
                 continue
-            want = node.credit - self.in_flight(node)
+            want = node.credit - node.in_flight
             while want > 0:
                 lease = self.lease(node, min(want, node.stream_max), now)
                 if lease is None:
