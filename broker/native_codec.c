@@ -360,7 +360,7 @@ RANGE_OF(uint8_t, range_u1)
 RANGE_OF(uint16_t, range_u2)
 #undef RANGE_OF
 
-#if defined(__SSE2__) || (defined(__x86_64__) && defined(__GNUC__))
+#if defined(__SSE2__)
 /* The vector loops' end: ``lanes`` holds ``width`` minima then ``width`` maxima of the entries before
    ``i``; the entries from ``i`` on are folded in one by one. */
 static void finish_range_i4(const int32_t *lanes, int width, const char *p, long long i, long long count,
@@ -405,7 +405,7 @@ static void range_i4(const char *p, long long count, long long *lo, long long *h
 }
 #endif
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__SSE2__)
 #include <immintrin.h>
 #define HAVE_AVX2_PATH 1
 static int has_avx2;  /* set at import: the CPU runs AVX2 (the build's flags assume no more than SSE2) */
@@ -415,13 +415,11 @@ static int avoid_avx2; /* use_avx2(False): the SSE2 loop instead, so tests run b
    8192 entries, which the SSE2 loop above scans in ~2.5 us and this one in well under 1 */
 __attribute__((target("avx2"))) static void range_i4_avx2(const char *p, long long count, long long *lo,
                                                            long long *hi) {
-    int32_t lanes[16];
     if (count < 16) {
-        memcpy(lanes, p, 4);
-        lanes[1] = lanes[0];
-        finish_range_i4(lanes, 1, p, 1, count, lo, hi);
+        range_i4(p, count, lo, hi);
         return;
     }
+    int32_t lanes[16];
     __m256i mn0 = _mm256_loadu_si256((const __m256i *)p), mx0 = mn0, mn1 = mn0, mx1 = mn0;
     long long i = 0;
     for (; i + 16 <= count; i += 16) {
