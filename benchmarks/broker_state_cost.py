@@ -30,7 +30,6 @@ import json
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -53,7 +52,6 @@ from tidal.broker.testing import write_rows
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from broker_baselines import sample_arrays  # noqa: E402
 from broker_throughput import _group  # noqa: E402  (the broker benchmark's groups, built the same way)
-from proc_stats import cpu_seconds  # noqa: E402
 
 STEPS = {
     "tidal": ("lease", "submit", "commit", "batch", "consumed"),
@@ -154,33 +152,20 @@ def run_tidal(
     journal.flush()
     # the journal's writer and fsync threads (the main thread's encoding is a node's work, not counted)
     other = time.process_time() - process0 - sum(clock.seconds.values()) - encoding
-    threads = _journal_threads_cpu()
     journal.close()
     return {
         "seconds": dict(clock.seconds),
         "groups": done,
         "batched": batched,
         "other_threads_s": max(0.0, other),
-        "journal_threads_s": threads,
     }
 
 
-def _journal_threads_cpu() -> dict[str, float]:
-    """CPU seconds of this process's threads but the main one, by name (the journal's writer and fsync)."""
-    out = {}
-    for t in threading.enumerate():
-        if t is not threading.main_thread() and t.native_id is not None:
-            try:
-                out[t.name] = cpu_seconds(f"self/task/{t.native_id}")
-            except OSError:  # ended meanwhile
-                continue
-    return out
-
-
 def run_floor(
-    workdir: Path, groups: int, tokens: int, group_size: int, per_lease: int, ring: FrameRing, writer: str
+    workdir: Path, groups: int, tokens: int, group_size: int, per_lease: int, ring: FrameRing, _: str
 ) -> dict:
-    writer = DirectWriter(workdir / "floor.log", 0)
+    """(The journal writer setting is tidal's; the floor always writes on its one thread.)"""
+    out = DirectWriter(workdir / "floor.log", 0)
     arrays = sample_arrays(tokens)
     clock, done, pack = Clock(), 0, msgpack.packb
     while done < groups:
@@ -195,10 +180,10 @@ def run_floor(
             staged += [len(payload).to_bytes(4, "little") + crc32(payload).to_bytes(4, "little"), payload]
             clock.lap("crc")
         staged.append(pack(["ack", done]))
-        writer.write(staged)
+        out.write(staged)
         clock.lap("write")
         done += len(lease_frames)
-    writer.close()
+    out.close()
     return {"seconds": dict(clock.seconds), "groups": done, "other_threads_s": 0.0}
 
 
