@@ -3,8 +3,10 @@ staging buffer, or through the page cache where the file system refuses O_DIRECT
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +62,17 @@ class DirectWriter:
         self.size = size
 
     def write(self, parts: list[bytes | memoryview]) -> None:
+        gather = _gather()
+        end = None if gather is None else gather(self.array, self.fill, parts)
+        if end is not None:  # they fit: copied in one call
+            self.fill = end
+        else:
+            self._copy_in_pieces(parts)
+        self._flush(whole_only=False)
+        self.size = self.base + self.fill
+
+    def _copy_in_pieces(self, parts: list[bytes | memoryview]) -> None:
+        """Copy ``parts`` into the staging buffer, writing it out whenever it fills."""
         staging, cap = self.array, len(self.view)
         for p in parts:
             p = memoryview(p).cast("B")
@@ -75,8 +88,6 @@ class DirectWriter:
                 p = p[n:]
                 if self.fill == cap:
                     self._flush(whole_only=True)
-        self._flush(whole_only=False)
-        self.size = self.base + self.fill
 
     def _flush(self, whole_only: bool) -> None:
         """Write the staged blocks; the partial last block is padded with zeros and written too unless
@@ -100,6 +111,14 @@ class DirectWriter:
         os.close(self.fd)
         self.view.release()
         self.array = None  # the last reference: the memory goes with it
+
+
+@functools.cache
+def _gather() -> Callable[[object, int, list], int | None] | None:
+    from tidal.broker import native_codec  # built on first use
+
+    module, _ = native_codec.load()
+    return None if module is None else module.gather
 
 
 def open_writer(path: Path, size: int, direct: bool) -> BufferedWriter | DirectWriter:

@@ -13,6 +13,7 @@
                                    -> [Sample, ...] (views of the columns, no copies)
    crc32_combine(crc_a, crc_b, len_b)
                                    -> zlib.crc32(a + b)
+   gather(dest, at, parts)         -> at + total bytes copied, or None where they do not fit
 */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -646,6 +647,59 @@ static PyObject *crc32_combine(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLong(crc);
 }
 
+/* ---- gather: the journal's records copied into its staging buffer in one call ---- */
+
+/* A commit's records are a header and a few pieces each (a PACKED group is five): copied one by one from
+   Python, each piece cost more than its bytes (journal_writers.DirectWriter). Large copies run without the
+   GIL: with the writer thread, the event loop keeps serving meanwhile. */
+#define GATHER_WITHOUT_GIL (64 << 10)
+
+static PyObject *gather(PyObject *self, PyObject *args) {
+    PyObject *dest, *parts, *result = NULL;
+    Py_ssize_t at, n = 0, got = 0, total = 0;
+    Py_buffer out = {0}, *views = NULL;
+    if (!PyArg_ParseTuple(args, "OnO", &dest, &at, &parts)) return NULL;
+    PyObject *seq = PySequence_Fast(parts, "gather: parts must be a sequence of buffers");
+    if (!seq) return NULL;
+    n = PySequence_Fast_GET_SIZE(seq);
+    if (PyObject_GetBuffer(dest, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
+    views = PyMem_Calloc(n ? (size_t)n : 1, sizeof(Py_buffer));
+    if (!views) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; got < n; got++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got), &views[got], PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        total += views[got].len;
+    }
+    if (at < 0 || at > out.len || total > out.len - at) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    char *to = (char *)out.buf + at;
+    if (total >= GATHER_WITHOUT_GIL) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            memcpy(to, views[i].buf, (size_t)views[i].len);
+            to += views[i].len;
+        }
+        Py_END_ALLOW_THREADS
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            memcpy(to, views[i].buf, (size_t)views[i].len);
+            to += views[i].len;
+        }
+    }
+    result = PyLong_FromSsize_t(at + total);
+done:
+    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    if (out.obj) PyBuffer_Release(&out);
+    Py_DECREF(seq);
+    return result;
+}
+
 static PyObject *use_avx2(PyObject *self, PyObject *arg) {
     int want = PyObject_IsTrue(arg);
     if (want < 0) return NULL;
@@ -681,6 +735,9 @@ static PyMethodDef methods[] = {
     {"use_avx2", use_avx2, METH_O,
      "use_avx2(flag) -> whether the versions' range is now scanned with AVX2 (only where the CPU has it; "
      "False: the SSE2 loop, for tests)"},
+    {"gather", gather, METH_VARARGS,
+     "gather(dest, at, parts) -> at + the parts' total length, copied one after the other into the writable "
+     "buffer dest from byte at; None (nothing copied) where they do not fit"},
     {"crc32_combine", crc32_combine, METH_VARARGS,
      "crc32_combine(crc_a, crc_b, len_b) -> zlib.crc32(a + b) from zlib.crc32(a) and zlib.crc32(b)"},
     {NULL, NULL, 0, NULL},

@@ -329,6 +329,30 @@ def test_records_larger_than_the_staging_buffers_are_written_whole_and_in_order(
     assert [bytes(p) for _, p in Journal(tmp_path).open()] == payloads
 
 
+def test_records_copied_in_one_call_or_piece_by_piece_make_the_same_file(tmp_path, monkeypatch):
+    from tidal.broker import journal_writers
+
+    if journal_writers._gather() is None:
+        pytest.skip("the native codec cannot be built here: only the piecewise copy runs")
+    payloads = [os.urandom(n) for n in (1, 4095, 4096, 4097, 70_000, 3)]
+
+    def write(folder, gather):
+        monkeypatch.setattr(journal_writers, "_gather", lambda: gather)
+        w = journal_writers.DirectWriter(folder / "log", 0)
+        for p in payloads:  # one record a call, then all of them in one call
+            w.write(record_parts(Kind.GROUP, p))
+        w.write([part for p in payloads for part in record_parts(Kind.GROUP, p)])
+        w.close()
+        return (folder / "log").read_bytes()
+
+    (tmp_path / "native").mkdir()
+    (tmp_path / "pieces").mkdir()
+    native = write(tmp_path / "native", journal_writers._gather())
+    assert native == write(tmp_path / "pieces", None)
+    records, good = read_records(memoryview(native))
+    assert [bytes(p) for _, p in records] == payloads * 2 and good == len(native)
+
+
 def test_a_reused_file_never_yields_what_it_held_before(tmp_path):
     from tidal.broker.journal_records import RECORD_HEADER
 

@@ -280,3 +280,29 @@ def test_the_versions_range_is_found_wherever_the_extremes_lie(count, vector_pat
         info_c, info_py = inspect_group(frame), inspect_group(frame, native=False)
         assert info_c == info_py
         assert (info_c.min_version, info_c.max_version) == (int(versions.min()), int(versions.max()))
+
+
+@settings(max_examples=200, deadline=None)
+@given(hs.lists(hs.binary(max_size=300), max_size=8), hs.integers(0, 64))
+def test_gather_copies_the_parts_one_after_the_other_or_nothing_where_they_do_not_fit(parts, at):
+    dest = np.full(512, 0xAB, np.uint8)
+    before = dest.copy()
+    joined = b"".join(parts)
+    end = native.gather(dest, at, [memoryview(p) if i % 2 else p for i, p in enumerate(parts)])
+    if at + len(joined) <= len(dest):
+        assert end == at + len(joined)
+        assert bytes(dest[at:end]) == joined
+        assert (dest[:at] == before[:at]).all() and (dest[end:] == before[end:]).all()
+    else:
+        assert end is None and (dest == before).all()
+
+
+def test_gather_copies_large_parts_and_refuses_what_it_cannot_copy():
+    big = [np.random.default_rng(0).integers(0, 256, 300_000, dtype=np.uint8), b"tail"]  # the no-GIL path
+    dest = np.zeros(400_000, np.uint8)
+    assert native.gather(dest, 10, big) == 10 + 300_004
+    assert bytes(dest[10:300_014]) == big[0].tobytes() + b"tail"
+    with pytest.raises(BufferError):
+        native.gather(b"read-only", 0, [b"x"])
+    with pytest.raises(ValueError, match="contiguous"):
+        native.gather(dest, 0, [np.arange(8)[::2]])
