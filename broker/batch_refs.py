@@ -25,7 +25,7 @@ def memory_refs(state: BrokerState, batch: CutBatch) -> dict[str, Any]:
     index: dict[int, int] = {}
     for g in batch.group_ids:
         s = state.batch_store[g]
-        payload = s.frame.buffer if hasattr(s.frame, "buffer") else s.frame
+        payload = getattr(s.frame, "buffer", s.frame)
         if s.crc is None:  # journaled PACKED, replayed after a restart or restored by compaction
             s.crc = record_crc(Kind.GROUP, payload)
         ref = [frame_address(payload), len(payload), s.crc]

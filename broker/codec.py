@@ -158,7 +158,7 @@ def encode_group(
 
 
 def _as_buffer(frame: Any) -> memoryview:
-    return memoryview(frame.buffer if hasattr(frame, "buffer") else frame).cast("B")
+    return memoryview(getattr(frame, "buffer", frame)).cast("B")
 
 
 class _Frame:

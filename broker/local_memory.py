@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -60,8 +62,17 @@ def allow_memory_reads() -> bool:
 
 def frame_address(frame: Any) -> int:
     """Where a bytes-like frame's bytes start in this process (a ``zmq.Frame``, bytes or a memoryview)."""
-    buffer = frame.buffer if hasattr(frame, "buffer") else frame
-    return np.frombuffer(buffer, np.uint8).ctypes.data
+    buffer = getattr(frame, "buffer", frame)
+    native = _native_address()
+    return native(buffer) if native is not None else np.frombuffer(buffer, np.uint8).ctypes.data
+
+
+@functools.cache
+def _native_address() -> Callable[[Any], int] | None:
+    from tidal.broker import native_codec  # built on first use
+
+    module, _ = native_codec.load()
+    return None if module is None else module.address
 
 
 def group_crc(payload: Any) -> int:

@@ -14,6 +14,7 @@
    crc32_combine(crc_a, crc_b, len_b)
                                    -> zlib.crc32(a + b)
    gather(dest, at, parts)         -> at + total bytes copied, or None where they do not fit
+   address(buffer)                 -> where the buffer's bytes start in this process
 */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -700,6 +701,16 @@ done:
     return result;
 }
 
+/* ---- address: where a buffer's bytes lie (local_memory.frame_address; numpy's way took ~3 us) ---- */
+
+static PyObject *address(PyObject *self, PyObject *obj) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    PyObject *out = PyLong_FromVoidPtr(view.buf);
+    PyBuffer_Release(&view);
+    return out;
+}
+
 static PyObject *use_avx2(PyObject *self, PyObject *arg) {
     int want = PyObject_IsTrue(arg);
     if (want < 0) return NULL;
@@ -735,6 +746,7 @@ static PyMethodDef methods[] = {
     {"use_avx2", use_avx2, METH_O,
      "use_avx2(flag) -> whether the versions' range is now scanned with AVX2 (only where the CPU has it; "
      "False: the SSE2 loop, for tests)"},
+    {"address", address, METH_O, "address(buffer) -> where the contiguous buffer's bytes start in this process"},
     {"gather", gather, METH_VARARGS,
      "gather(dest, at, parts) -> at + the parts' total length, copied one after the other into the writable "
      "buffer dest from byte at; None (nothing copied) where they do not fit"},

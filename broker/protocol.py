@@ -162,4 +162,4 @@ def _is_int(x: Any) -> bool:
 
 
 def _buf(frame: Any) -> memoryview | bytes:
-    return frame.buffer if hasattr(frame, "buffer") else frame
+    return getattr(frame, "buffer", frame)

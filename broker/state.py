@@ -394,7 +394,7 @@ class BrokerState:
         """Journal an accepted group: PACKED (its versions run-length encoded) where that pays and the
         file takes it, else its frame as it came in a GROUP record."""
         j = self.journal
-        payload = s.frame.buffer if hasattr(s.frame, "buffer") else s.frame
+        payload = getattr(s.frame, "buffer", s.frame)
         packed = None
         if j.takes(Kind.PACKED) and s.info.versions_at is not None:
             at, count, dtype = s.info.versions_at

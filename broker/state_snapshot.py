@@ -41,7 +41,7 @@ def snapshot_records(state: BrokerState) -> Iterator[tuple[Kind, Any]]:
         if s.loc is not None:
             yield Kind.REF, ref_payload(*s.loc)
         else:
-            yield Kind.RESTORE, s.frame.buffer if hasattr(s.frame, "buffer") else s.frame
+            yield Kind.RESTORE, getattr(s.frame, "buffer", s.frame)
 
 
 def load_snapshot(state: BrokerState, d: dict[str, Any]) -> None:

@@ -306,3 +306,11 @@ def test_gather_copies_large_parts_and_refuses_what_it_cannot_copy():
         native.gather(b"read-only", 0, [b"x"])
     with pytest.raises(ValueError, match="contiguous"):
         native.gather(dest, 0, [np.arange(8)[::2]])
+
+
+def test_address_is_where_numpy_sees_the_bytes():
+    a = np.arange(64, dtype=np.uint8)
+    for buf in (a, memoryview(a)[7:], a[3:9], memoryview(b"frame bytes")):
+        assert native.address(buf) == np.frombuffer(buf, np.uint8).ctypes.data
+    with pytest.raises(ValueError, match="contiguous"):
+        native.address(np.arange(8)[::2])
