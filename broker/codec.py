@@ -88,6 +88,17 @@ def _native() -> Any:
     return module
 
 
+def _unpack(data: Any, native: bool) -> Any:
+    """``msgpack.unpackb(data, raw=False)``; the C decoder where it takes the input (the same values, short
+    strings shared), else msgpack, which also raises the errors."""
+    module = _native() if native else None
+    if module is not None:
+        out = module.unpack(data)
+        if out is not NotImplemented:
+            return out
+    return msgpack.unpackb(data, raw=False)
+
+
 def encode_group(
     group: Group, alloc: Callable[[int], np.ndarray] | None = None, *, native: bool = True
 ) -> np.ndarray:
@@ -188,7 +199,7 @@ class _Frame:
                 BAD_GROUP, f"group header length {hlen} runs past the frame ({len(buf)} bytes)"
             )
         try:
-            header = msgpack.unpackb(buf[_HEADER_LEN.size : _HEADER_LEN.size + hlen], raw=False)
+            header = _unpack(buf[_HEADER_LEN.size : _HEADER_LEN.size + hlen], native)
         except Exception as exc:
             raise ProtocolError(BAD_GROUP, f"group header is not msgpack: {exc}") from None
         if not isinstance(header, dict) or not isinstance(header.get("id"), str):
@@ -290,7 +301,7 @@ def decode_group(frame: Any, *, native: bool = True) -> Group:
     """Zero-copy decode: the arrays are read-only views into ``frame``."""
     f = _Frame(frame, native=native)
     try:
-        finish_reasons, metas = msgpack.unpackb(f.column(SAMPLE_INFO), raw=False)
+        finish_reasons, metas = _unpack(f.column(SAMPLE_INFO), native)
         if not (len(finish_reasons) == len(metas) == f.n):
             raise ValueError(f"{len(finish_reasons)} finish reasons and {len(metas)} metas")
     except Exception as exc:

@@ -15,6 +15,8 @@
                                    -> zlib.crc32(a + b)
    gather(dest, at, parts)         -> at + total bytes copied, or None where they do not fit
    address(buffer)                 -> where the buffer's bytes start in this process
+   unpack(buffer)                  -> msgpack.unpackb(buffer, raw=False), or NotImplemented where this
+                                      decoder leaves it to msgpack (ext types, bad UTF-8, errors)
 */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -711,6 +713,181 @@ static PyObject *address(PyObject *self, PyObject *obj) {
     return out;
 }
 
+/* ---- unpack: msgpack.unpackb(raw=False) for the forms group frames carry ---- */
+
+/* A frame's header and its sample_info column are small msgpack maps whose keys (and many short values:
+   dtypes, finish reasons, data sources) repeat in every group. msgpack makes a new str for each; this
+   decoder keeps short ASCII strings in a small cache and hands out the same (immutable) object, whose
+   hash is computed once. Anything outside the common forms (ext types, map keys that are not strings,
+   invalid UTF-8, trailing bytes, truncation, nesting deeper than MAX_DEPTH) returns NotImplemented and
+   the caller runs msgpack, which decodes it or raises its error: the result is always msgpack's. */
+
+#define STR_CACHE_SLOTS 1024
+#define STR_CACHE_MAX_LEN 40
+#define MAX_DEPTH 32
+
+static PyObject *str_cache[STR_CACHE_SLOTS];
+
+typedef struct {
+    const unsigned char *p, *end;
+} Reader;
+
+static PyObject *short_str(const unsigned char *s, Py_ssize_t n) {
+    uint32_t h = 2166136261u;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (s[i] >= 0x80) return PyUnicode_DecodeUTF8((const char *)s, n, NULL);
+        h = (h ^ s[i]) * 16777619u;
+    }
+    PyObject **slot = &str_cache[(h ^ (uint32_t)n) % STR_CACHE_SLOTS];
+    PyObject *hit = *slot;
+    if (hit && PyUnicode_GET_LENGTH(hit) == n && memcmp(PyUnicode_DATA(hit), s, (size_t)n) == 0)
+        return Py_NewRef(hit);
+    PyObject *str = PyUnicode_New(n, 127);
+    if (!str) return NULL;
+    memcpy(PyUnicode_DATA(str), s, (size_t)n);
+    Py_XSETREF(*slot, Py_NewRef(str));
+    return str;
+}
+
+/* NotImplemented (a new reference) where msgpack must decide; NULL with an exception set on memory
+   errors only. */
+static PyObject *unpack_one(Reader *r, int depth);
+
+static int need(Reader *r, Py_ssize_t n) { return r->end - r->p >= n; }
+
+static uint64_t be(const unsigned char *p, int n) {
+    uint64_t v = 0;
+    for (int i = 0; i < n; i++) v = (v << 8) | p[i];
+    return v;
+}
+
+static PyObject *not_mine(void) { return Py_NewRef(Py_NotImplemented); }
+
+static PyObject *unpack_str(Reader *r, Py_ssize_t n) {
+    if (!need(r, n)) return not_mine();
+    const unsigned char *s = r->p;
+    r->p += n;
+    PyObject *out = n <= STR_CACHE_MAX_LEN ? short_str(s, n) : PyUnicode_DecodeUTF8((const char *)s, n, NULL);
+    if (!out && PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {
+        PyErr_Clear();
+        return not_mine();
+    }
+    return out;
+}
+
+static PyObject *unpack_array(Reader *r, Py_ssize_t n, int depth) {
+    if (n > r->end - r->p) return not_mine(); /* every item takes a byte at least */
+    PyObject *list = PyList_New(n);
+    if (!list) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = unpack_one(r, depth + 1);
+        if (!item || item == Py_NotImplemented) {
+            Py_DECREF(list);
+            return item;
+        }
+        PyList_SET_ITEM(list, i, item);
+    }
+    return list;
+}
+
+static PyObject *unpack_map(Reader *r, Py_ssize_t n, int depth) {
+    if (n > (r->end - r->p) / 2) return not_mine();
+    PyObject *map = PyDict_New();
+    if (!map) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = unpack_one(r, depth + 1);
+        if (!key || key == Py_NotImplemented) {
+            Py_DECREF(map);
+            return key;
+        }
+        if (!PyUnicode_CheckExact(key) && !PyBytes_CheckExact(key)) { /* msgpack's strict_map_key refuses */
+            Py_DECREF(key);
+            Py_DECREF(map);
+            return not_mine();
+        }
+        PyObject *value = unpack_one(r, depth + 1);
+        if (!value || value == Py_NotImplemented) {
+            Py_DECREF(key);
+            Py_DECREF(map);
+            return value;
+        }
+        int err = PyDict_SetItem(map, key, value);
+        Py_DECREF(key);
+        Py_DECREF(value);
+        if (err < 0) {
+            Py_DECREF(map);
+            return NULL;
+        }
+    }
+    return map;
+}
+
+static PyObject *unpack_one(Reader *r, int depth) {
+    if (depth > MAX_DEPTH || !need(r, 1)) return not_mine();
+    unsigned char c = *r->p++;
+    if (c <= 0x7f) return PyLong_FromLong(c);
+    if (c >= 0xe0) return PyLong_FromLong((int8_t)c);
+    if ((c & 0xf0) == 0x80) return unpack_map(r, c & 0x0f, depth);
+    if ((c & 0xf0) == 0x90) return unpack_array(r, c & 0x0f, depth);
+    if ((c & 0xe0) == 0xa0) return unpack_str(r, c & 0x1f);
+    static const int widths[] = {
+        [0xc4 - 0xc4] = 1, [0xc5 - 0xc4] = 2, [0xc6 - 0xc4] = 4,  /* bin */
+        [0xca - 0xc4] = 4, [0xcb - 0xc4] = 8,                     /* float */
+        [0xcc - 0xc4] = 1, [0xcd - 0xc4] = 2, [0xce - 0xc4] = 4, [0xcf - 0xc4] = 8, /* uint */
+        [0xd0 - 0xc4] = 1, [0xd1 - 0xc4] = 2, [0xd2 - 0xc4] = 4, [0xd3 - 0xc4] = 8, /* int */
+        [0xd9 - 0xc4] = 1, [0xda - 0xc4] = 2, [0xdb - 0xc4] = 4,  /* str */
+        [0xdc - 0xc4] = 2, [0xdd - 0xc4] = 4, [0xde - 0xc4] = 2, [0xdf - 0xc4] = 4, /* array, map */
+    };
+    switch (c) {
+    case 0xc0: Py_RETURN_NONE;
+    case 0xc2: Py_RETURN_FALSE;
+    case 0xc3: Py_RETURN_TRUE;
+    }
+    if (c < 0xc4 || c > 0xdf || !widths[c - 0xc4]) return not_mine(); /* ext, reserved */
+    int w = widths[c - 0xc4];
+    if (!need(r, w)) return not_mine();
+    uint64_t v = be(r->p, w);
+    r->p += w;
+    switch (c) {
+    case 0xc4: case 0xc5: case 0xc6:
+        if (!need(r, (Py_ssize_t)v)) return not_mine();
+        r->p += v;
+        return PyBytes_FromStringAndSize((const char *)r->p - v, (Py_ssize_t)v);
+    case 0xca: {
+        uint32_t bits = (uint32_t)v;
+        float f;
+        memcpy(&f, &bits, 4);
+        return PyFloat_FromDouble(f);
+    }
+    case 0xcb: {
+        double d;
+        memcpy(&d, &v, 8);
+        return PyFloat_FromDouble(d);
+    }
+    case 0xcc: case 0xcd: case 0xce: case 0xcf: return PyLong_FromUnsignedLongLong(v);
+    case 0xd0: return PyLong_FromLong((int8_t)v);
+    case 0xd1: return PyLong_FromLong((int16_t)v);
+    case 0xd2: return PyLong_FromLong((int32_t)v);
+    case 0xd3: return PyLong_FromLongLong((int64_t)v);
+    case 0xd9: case 0xda: case 0xdb: return unpack_str(r, (Py_ssize_t)v);
+    case 0xdc: case 0xdd: return unpack_array(r, (Py_ssize_t)v, depth);
+    default: return unpack_map(r, (Py_ssize_t)v, depth); /* 0xde, 0xdf */
+    }
+}
+
+static PyObject *unpack(PyObject *self, PyObject *obj) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    Reader r = {(const unsigned char *)view.buf, (const unsigned char *)view.buf + view.len};
+    PyObject *out = unpack_one(&r, 0);
+    if (out && out != Py_NotImplemented && r.p != r.end) { /* extra data: msgpack says so */
+        Py_DECREF(out);
+        out = not_mine();
+    }
+    PyBuffer_Release(&view);
+    return out;
+}
+
 static PyObject *use_avx2(PyObject *self, PyObject *arg) {
     int want = PyObject_IsTrue(arg);
     if (want < 0) return NULL;
@@ -746,6 +923,8 @@ static PyMethodDef methods[] = {
     {"use_avx2", use_avx2, METH_O,
      "use_avx2(flag) -> whether the versions' range is now scanned with AVX2 (only where the CPU has it; "
      "False: the SSE2 loop, for tests)"},
+    {"unpack", unpack, METH_O,
+     "unpack(buffer) -> msgpack.unpackb(buffer, raw=False), or NotImplemented where msgpack must decode it"},
     {"address", address, METH_O, "address(buffer) -> where the contiguous buffer's bytes start in this process"},
     {"gather", gather, METH_VARARGS,
      "gather(dest, at, parts) -> at + the parts' total length, copied one after the other into the writable "

@@ -314,3 +314,63 @@ def test_address_is_where_numpy_sees_the_bytes():
         assert native.address(buf) == np.frombuffer(buf, np.uint8).ctypes.data
     with pytest.raises(ValueError, match="contiguous"):
         native.address(np.arange(8)[::2])
+
+
+_MSGPACK_VALUES = hs.recursive(
+    hs.none()
+    | hs.booleans()
+    | hs.integers(-(2**63), 2**64 - 1)
+    | hs.floats(allow_nan=True, width=32)  # packed as float32 or float64 (use_single_float)
+    | hs.text(max_size=60)
+    | hs.sampled_from(["stop", "length", "<i4", "data_source", "é", ""])  # repeated short strings
+    | hs.binary(max_size=40),
+    lambda inner: (
+        hs.lists(inner, max_size=6)
+        | hs.dictionaries(hs.text(max_size=12) | hs.binary(max_size=4), inner, max_size=6)
+    ),
+    max_leaves=40,
+)
+
+
+def _same(a, b) -> bool:  # equal values of equal types all the way down (nan included)
+    return msgpack.packb(a, use_bin_type=True) == msgpack.packb(b, use_bin_type=True) and repr(a) == repr(b)
+
+
+@settings(max_examples=500, deadline=None)
+@given(_MSGPACK_VALUES, hs.booleans())
+def test_unpack_decodes_what_msgpack_decodes_to_the_same_values(value, single_float):
+    data = msgpack.packb(value, use_bin_type=True, use_single_float=single_float)
+    got = native.unpack(data)
+    assert got is not NotImplemented
+    assert _same(got, msgpack.unpackb(data, raw=False))
+
+
+@settings(max_examples=300, deadline=None)
+@given(hs.lists(hs.floats(allow_nan=True), max_size=4))
+def test_unpack_decodes_doubles_bit_for_bit(values):
+    data = msgpack.packb(values)
+    assert _same(native.unpack(data), msgpack.unpackb(data, raw=False))
+
+
+@settings(max_examples=3000, deadline=None)
+@given(hs.binary(max_size=80))
+def test_unpack_of_any_bytes_is_msgpacks_result_or_leaves_it_to_msgpack(data):
+    try:
+        want = msgpack.unpackb(data, raw=False)
+    except Exception:
+        assert native.unpack(data) is NotImplemented  # msgpack raises its error
+        return
+    got = native.unpack(data)
+    assert got is NotImplemented or _same(got, want)
+
+
+def test_unpack_leaves_ext_types_non_string_keys_bad_utf8_and_trailing_bytes_to_msgpack():
+    for data in (
+        msgpack.packb(msgpack.ExtType(1, b"x")),
+        b"\x81\x01\x02",  # {1: 2}: msgpack's strict_map_key refuses it
+        b"\xa2\xff\xfe",  # not UTF-8
+        msgpack.packb(1) + b"\x00",
+        b"\x92\x01",  # an array cut short
+        b"\x91" * 40 + b"\x00",  # nested deeper than the decoder goes
+    ):
+        assert native.unpack(data) is NotImplemented
