@@ -153,16 +153,16 @@ def packed_crcs(frame: memoryview, packed: Pieces) -> tuple[int, int] | None:
     combine = _crc32_combine()
     if combine is None:
         return None
-    head, tail, *runs = packed.parts  # frame[:at], frame[at + nbytes:], run values, run lengths, trailer
+    head, tail, runs = packed.parts  # frame[:at], frame[at + nbytes:], the runs and the trailer
     versions = frame[len(head) : len(frame) - len(tail)]
     packed_kind, group_kind = _KIND_CRC[Kind.PACKED], _KIND_CRC[Kind.GROUP]
     record = crc32(head, packed_kind)
     group = combine(packed_kind ^ group_kind, record, len(head))  # = crc32(head, group_kind)
-    group = crc32(tail, crc32(versions, group))
-    record = crc32(tail, record)  # the tail (what follows the versions) is mostly empty or small
-    for part in runs:
-        record = crc32(part, record)
-    return record, group
+    group = crc32(versions, group)
+    if tail:  # what follows the versions: mostly nothing
+        group = crc32(tail, group)
+        record = crc32(tail, record)
+    return crc32(runs, record), group
 
 
 def record_parts(
