@@ -169,12 +169,14 @@ class AsyncBrokerClient:
         self._pending[rid] = fut
         if group_ids is not None:
             self._submits.add(rid, self.node_id, group_ids)
+        message = [proto.encode_envelope(type_, rid, body), *frames]
+        copy = send_copies(frames)
+        if self._sock.try_send_multipart(message, copy):
+            return rid, fut
         try:
             # With no connected peer (broker down, CURVE refused) a DEALER send waits: bound it too.
             async with asyncio.timeout(timeout):
-                await self._sock.send_multipart(
-                    [proto.encode_envelope(type_, rid, body), *frames], copy=send_copies(frames)
-                )
+                await self._sock.send_multipart(message, copy=copy)
         except TimeoutError:
             self._pending.pop(rid, None)
             self._submits.forget(rid)

@@ -85,6 +85,18 @@ class LoopSocket:
             except zmq.Again:
                 await self._until(zmq.POLLIN, loop)
 
+    def try_send_multipart(self, frames: list[Any], copy: bool = True) -> bool:
+        """Queue a message if ZeroMQ takes it without waiting; False (nothing sent) where it would block.
+        The usual case, and what a caller needs no timeout for."""
+        self._attach()
+        try:
+            self.sock.send_multipart(frames, zmq.NOBLOCK, copy=copy)
+        except zmq.Again:
+            return False
+        if self._waiters:  # the send may have taken the edge of a message a waiting receive needs
+            self._wake()
+        return True
+
     async def send_multipart(self, frames: list[Any], copy: bool = True) -> None:
         """Queue a message; waits only while ZeroMQ would block (no peer connected yet, or the high-water
         mark reached). A multipart message goes whole or not at all."""

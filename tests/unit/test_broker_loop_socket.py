@@ -97,6 +97,29 @@ def test_a_send_with_no_peer_waits_until_one_connects():
     ctx.term()
 
 
+def test_try_send_queues_what_zeromq_takes_at_once_and_sends_nothing_where_it_would_wait():
+    ctx = zmq.Context()
+    address = f"tcp://127.0.0.1:{free_port()}"
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(address)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    sock = LoopSocket(dealer)
+
+    async def main():
+        assert not sock.try_send_multipart([b"no peer yet"])  # a DEALER with no peer would wait
+        dealer.connect(address)
+        await sock.send_multipart([b"first"])  # waits for the connection
+        assert sock.try_send_multipart([b"second"])
+        got = [router.recv_multipart()[1] for _ in range(2) if router.poll(10_000)]
+        assert got == [b"first", b"second"]
+
+    asyncio.run(main())
+    sock.close()
+    router.close(0)
+    ctx.term()
+
+
 def test_a_message_nobody_waits_for_does_not_spin_the_loop_and_is_received_later(pair):
     router, dealer = pair
     sock = CountingSocket(dealer)
