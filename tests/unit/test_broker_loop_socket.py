@@ -73,14 +73,24 @@ def test_concurrent_sends_and_one_reader_see_every_reply_in_order(run, pair):
         assert mine == [f"{k}:{i}".encode() for i in range(200)]
 
 
-def test_a_send_with_no_peer_waits_until_one_connects():
+@pytest.fixture
+def unconnected():
+    """A bound ROUTER, a DEALER not yet connected to it (it cannot take a message) and the address."""
     ctx = zmq.Context()
     address = f"tcp://127.0.0.1:{free_port()}"
     router = ctx.socket(zmq.ROUTER)
     router.bind(address)
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
-    sock = LoopSocket(dealer)  # not connected yet: a DEALER with no peer cannot take a message
+    yield router, dealer, address
+    dealer.close(0)
+    router.close(0)
+    ctx.term()
+
+
+def test_a_send_with_no_peer_waits_until_one_connects(unconnected):
+    router, dealer, address = unconnected
+    sock = LoopSocket(dealer)
 
     async def main():
         send = asyncio.ensure_future(sock.send_multipart([b"hello"]))
@@ -92,18 +102,11 @@ def test_a_send_with_no_peer_waits_until_one_connects():
         assert router.recv_multipart()[1] == b"hello"
 
     asyncio.run(main())
-    sock.close()
-    router.close(0)
-    ctx.term()
+    sock.detach()
 
 
-def test_try_send_queues_what_zeromq_takes_at_once_and_sends_nothing_where_it_would_wait():
-    ctx = zmq.Context()
-    address = f"tcp://127.0.0.1:{free_port()}"
-    router = ctx.socket(zmq.ROUTER)
-    router.bind(address)
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
+def test_try_send_queues_what_zeromq_takes_at_once_and_sends_nothing_where_it_would_wait(unconnected):
+    router, dealer, address = unconnected
     sock = LoopSocket(dealer)
 
     async def main():
@@ -115,9 +118,7 @@ def test_try_send_queues_what_zeromq_takes_at_once_and_sends_nothing_where_it_wo
         assert got == [b"first", b"second"]
 
     asyncio.run(main())
-    sock.close()
-    router.close(0)
-    ctx.term()
+    sock.detach()
 
 
 def test_a_message_nobody_waits_for_does_not_spin_the_loop_and_is_received_later(pair):
