@@ -32,7 +32,7 @@ import msgpack
 import numpy as np
 
 from tidal.broker import native_codec
-from tidal.broker.protocol import BAD_GROUP, ProtocolError
+from tidal.broker.protocol import BAD_GROUP, ProtocolError, unpackb
 from tidal.broker.types import Group, Lease, PromptGroup, PromptRow, Sample
 
 ALIGN = 8
@@ -86,17 +86,6 @@ def _native() -> Any:
     if module is not None:
         module.configure(_DTYPES, np.empty, np.uint8, msgpack.packb)
     return module
-
-
-def _unpack(data: Any, native: bool) -> Any:
-    """``msgpack.unpackb(data, raw=False)``; the C decoder where it takes the input (the same values, short
-    strings shared), else msgpack, which also raises the errors."""
-    module = _native() if native else None
-    if module is not None:
-        out = module.unpack(data)
-        if out is not NotImplemented:
-            return out
-    return msgpack.unpackb(data, raw=False)
 
 
 def encode_group(
@@ -199,7 +188,9 @@ class _Frame:
                 BAD_GROUP, f"group header length {hlen} runs past the frame ({len(buf)} bytes)"
             )
         try:
-            header = _unpack(buf[_HEADER_LEN.size : _HEADER_LEN.size + hlen], native)
+            header = unpackb(
+                buf[_HEADER_LEN.size : _HEADER_LEN.size + hlen], strict_map_key=True, native=native
+            )
         except Exception as exc:
             raise ProtocolError(BAD_GROUP, f"group header is not msgpack: {exc}") from None
         if not isinstance(header, dict) or not isinstance(header.get("id"), str):
@@ -301,7 +292,7 @@ def decode_group(frame: Any, *, native: bool = True) -> Group:
     """Zero-copy decode: the arrays are read-only views into ``frame``."""
     f = _Frame(frame, native=native)
     try:
-        finish_reasons, metas = _unpack(f.column(SAMPLE_INFO), native)
+        finish_reasons, metas = unpackb(f.column(SAMPLE_INFO), strict_map_key=True, native=native)
         if not (len(finish_reasons) == len(metas) == f.n):
             raise ValueError(f"{len(finish_reasons)} finish reasons and {len(metas)} metas")
     except Exception as exc:

@@ -8,7 +8,6 @@ A payload may be written in pieces (``Pieces``); its checksum is the same as tha
 
 from __future__ import annotations
 
-import functools
 import os
 import struct
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from pathlib import Path
 
 from isal.isal_zlib import crc32  # zlib's CRC-32, same values, with ISA-L's carry-less multiply (~10x)
 
+from tidal.broker import native_codec
 from tidal.broker.journal_packing import Pieces, unpack_group
 
 RECORD_HEADER = struct.Struct("<BII")
@@ -135,12 +135,8 @@ def file_mask(number: str, file_id: str | None) -> int:
 _KIND_CRC = {kind: crc32(bytes((kind,))) for kind in (Kind.GROUP, Kind.PACKED)}
 
 
-@functools.cache
 def _crc32_combine() -> Callable[[int, int, int], int] | None:
-    from tidal.broker import native_codec  # the C module is built on first use; most readers never need it
-
-    module, _ = native_codec.load()
-    return None if module is None else module.crc32_combine
+    return native_codec.function("crc32_combine")  # built on first use; most readers never need it
 
 
 def packed_crcs(frame: memoryview, packed: Pieces) -> tuple[int, int] | None:

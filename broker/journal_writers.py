@@ -3,7 +3,6 @@ staging buffer, or through the page cache where the file system refuses O_DIRECT
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from collections.abc import Callable
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tidal.broker import native_codec
 from tidal.broker.direct_memory import direct_buffer
 
 log = logging.getLogger("tidal.broker.journal")
@@ -113,12 +113,8 @@ class DirectWriter:
         self.array = None  # the last reference: the memory goes with it
 
 
-@functools.cache
 def _gather() -> Callable[[object, int, list], int | None] | None:
-    from tidal.broker import native_codec  # built on first use
-
-    module, _ = native_codec.load()
-    return None if module is None else module.gather
+    return native_codec.function("gather")
 
 
 def open_writer(path: Path, size: int, direct: bool) -> BufferedWriter | DirectWriter:

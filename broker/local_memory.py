@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import functools
 import logging
 import os
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from tidal.broker import native_codec
 from tidal.broker.journal_records import Kind, record_crc
 from tidal.broker.local_journal import ReadMemory
 from tidal.broker.submit_memory import SubmitMemoryUnavailable, open_ring
@@ -63,16 +62,8 @@ def allow_memory_reads() -> bool:
 def frame_address(frame: Any) -> int:
     """Where a bytes-like frame's bytes start in this process (a ``zmq.Frame``, bytes or a memoryview)."""
     buffer = getattr(frame, "buffer", frame)
-    native = _native_address()
+    native = native_codec.function("address")
     return native(buffer) if native is not None else np.frombuffer(buffer, np.uint8).ctypes.data
-
-
-@functools.cache
-def _native_address() -> Callable[[Any], int] | None:
-    from tidal.broker import native_codec  # built on first use
-
-    module, _ = native_codec.load()
-    return None if module is None else module.address
 
 
 def group_crc(payload: Any) -> int:

@@ -101,14 +101,8 @@ class LoopSocket:
         """Queue a message; waits only while ZeroMQ would block (no peer connected yet, or the high-water
         mark reached). A multipart message goes whole or not at all."""
         loop = self._attach()
-        while True:
-            try:
-                self.sock.send_multipart(frames, zmq.NOBLOCK, copy=copy)
-                break
-            except zmq.Again:
-                await self._until(zmq.POLLOUT, loop)
-        if self._waiters:  # the send may have taken the edge of a message a waiting receive needs
-            self._wake()
+        while not self.try_send_multipart(frames, copy):
+            await self._until(zmq.POLLOUT, loop)
 
     def close(self, linger: int = 0) -> None:
         self.detach()

@@ -21,6 +21,7 @@ import sysconfig
 import tempfile
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from tidal.native_cache import cache_dir, compiler
 
@@ -65,3 +66,11 @@ def load() -> tuple[ModuleType | None, str]:
     except (OSError, ImportError, RuntimeError, subprocess.SubprocessError) as exc:
         return None, f"building or loading the native codec failed: {exc}"
     return module, f"native codec at {target}"
+
+
+@functools.cache
+def function(name: str) -> Any:
+    """The compiled module's function ``name``, or None where the module cannot be built (the caller then
+    runs its Python code)."""
+    module, _ = load()
+    return None if module is None else getattr(module, name)

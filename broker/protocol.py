@@ -13,11 +13,12 @@ docs/protocol.md is the reference; this module is its executable form.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+
+from tidal.broker import native_codec
 
 PROTOCOL_VERSION = 3
 # What changed at each version, for the error an older (or newer) peer gets.
@@ -107,7 +108,7 @@ def decode_request(frames: list[Any], max_frame_bytes: int) -> Request:
         )
     raw = _buf(frames[0])
     try:
-        env = _unpack(raw)
+        env = unpackb(raw)
     except Exception as exc:
         raise ProtocolError(BAD_FRAME, f"envelope is not msgpack: {type(exc).__name__}: {exc}") from None
     if not isinstance(env, dict):
@@ -152,30 +153,23 @@ def decode_request(frames: list[Any], max_frame_bytes: int) -> Request:
 
 
 def decode_reply(raw: bytes | memoryview) -> tuple[int, str, dict[str, Any]]:
-    env = _unpack(raw)
+    env = unpackb(raw)
     if not isinstance(env, dict) or env.get("v") != PROTOCOL_VERSION:
         raise ProtocolError(BAD_VERSION, f"reply is not a v{PROTOCOL_VERSION} envelope: {env!r:.200}")
     return env["id"], env["type"], env.get("body") or {}
 
 
-def _unpack(raw: bytes | memoryview) -> Any:
-    """An envelope as ``msgpack.unpackb(raw, raw=False, strict_map_key=False)`` decodes it: by the native
-    codec's decoder where it takes it (the same values, about half the time), else by msgpack, which also
-    raises the errors."""
-    native = _native_unpack()
-    if native is not None:
-        env = native(raw)
-        if env is not NotImplemented:
-            return env
-    return msgpack.unpackb(raw, raw=False, strict_map_key=False)
-
-
-@functools.cache
-def _native_unpack() -> Any:
-    from tidal.broker import native_codec  # built on first use
-
-    module, _ = native_codec.load()
-    return None if module is None else module.unpack
+def unpackb(data: Any, *, strict_map_key: bool = False, native: bool = True) -> Any:
+    """``msgpack.unpackb(data, raw=False, strict_map_key=...)``: by the native codec's decoder where it
+    takes the input (the same values in about half the time; it decodes only string and bin map keys,
+    which both settings accept), else by msgpack, which also raises the errors. ``native=False``: msgpack
+    alone (the reference the codec's tests compare with)."""
+    decode = native_codec.function("unpack") if native else None
+    if decode is not None:
+        out = decode(data)
+        if out is not NotImplemented:
+            return out
+    return msgpack.unpackb(data, raw=False, strict_map_key=strict_map_key)
 
 
 def _is_int(x: Any) -> bool:
