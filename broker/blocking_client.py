@@ -30,6 +30,7 @@ from tidal.broker.codec import encode_group
 from tidal.broker.curve import CurveClientKeys
 from tidal.broker.process_identity import is_gone
 from tidal.broker.types import Batch, Group, Lease
+from tidal.broker.zmq_messages import readable, recv_frames, send_parts
 
 log = logging.getLogger("tidal.broker.client")
 OTHER_TRAINER_RETRY_S = 1.0
@@ -55,6 +56,7 @@ class BrokerClient:
         self._local = _LocalFrames(read_journal, read_memory)
         self._ctx = zmq.Context()
         self._sock = dealer_socket(self._ctx, address, curve)
+        self._sndtimeo_ms: int | None = None  # the socket's send timeout as last set (see _send_timeout)
         self._ids = itertools.count(1)
         self._registration: dict[str, Any] | None = None
         self._buffers = _BufferPool()
@@ -67,6 +69,11 @@ class BrokerClient:
         self._stash: dict[int, tuple[str, dict[str, Any], list[Any]]] = {}
         self.ask_ahead = ask_ahead
         self.batches_asked_ahead = 0  # batches whose request was sent ahead and used
+
+    def _send_timeout(self, ms: int) -> None:
+        """Bound the next send (setting a socket option costs a few microseconds: only when it changes)."""
+        if ms != self._sndtimeo_ms:
+            self._sock.sndtimeo = self._sndtimeo_ms = ms
 
     def _call(
         self, type_: str, body: dict[str, Any], frames=(), timeout: float | None = -1.0, group_ids=None
@@ -95,10 +102,10 @@ class BrokerClient:
         if group_ids is not None:
             unacked.add(rid, self.node_id, group_ids)
         # With no connected peer (broker down, CURVE refused) a DEALER send waits: bound it too.
-        self._sock.sndtimeo = -1 if timeout is None else max(1, int(timeout * 1000))
+        self._send_timeout(-1 if timeout is None else max(1, int(timeout * 1000)))
         try:
-            self._sock.send_multipart(
-                [proto.encode_envelope(type_, rid, body), *frames], copy=send_copies(frames)
+            send_parts(
+                self._sock, [proto.encode_envelope(type_, rid, body), *frames], copy=send_copies(frames)
             )
         except zmq.Again:
             raise BrokerTimeout(timeout_message(type_, self.address, timeout)) from None
@@ -116,9 +123,9 @@ class BrokerClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
-            if not self._sock.poll(wait_ms):
+            if not readable(self._sock, wait_ms):
                 raise BrokerTimeout(timeout_message(type_, self.address, timeout))
-            reply = self._sock.recv_multipart(copy=False)
+            reply = recv_frames(self._sock)
             try:
                 got, rtype, rbody = proto.decode_reply(reply[0].buffer)
             except Exception:
@@ -135,9 +142,9 @@ class BrokerClient:
 
     def _send_only(self, type_: str, body: dict[str, Any]) -> None:
         """Send a request whose reply nobody waits for (the next call's loop skips it)."""
-        self._sock.sndtimeo = max(1, int(self.timeout_s * 1000))
+        self._send_timeout(max(1, int(self.timeout_s * 1000)))
         try:
-            self._sock.send_multipart([proto.encode_envelope(type_, next(self._ids), body)], copy=False)
+            send_parts(self._sock, [proto.encode_envelope(type_, next(self._ids), body)])
         except zmq.Again:
             raise BrokerTimeout(timeout_message(type_, self.address, self.timeout_s)) from None
 
@@ -280,12 +287,10 @@ class BrokerClient:
         """Send the request for batch ``after + 1`` now; the get_batch that wants it takes its reply."""
         body = {"after": after, "num_groups": num_groups, "timeout_s": GET_BATCH_SLICE_S}
         field = self._local.request_field()
-        self._sock.sndtimeo = max(1, int(self.timeout_s * 1000))
+        self._send_timeout(max(1, int(self.timeout_s * 1000)))
         rid = next(self._ids)
         try:
-            self._sock.send_multipart(
-                [proto.encode_envelope("get_batch", rid, {**body, **field})], copy=False
-            )
+            send_parts(self._sock, [proto.encode_envelope("get_batch", rid, {**body, **field})])
         except zmq.Again:
             return  # asked for when wanted
         self._ahead = (after, num_groups, field, rid)

@@ -35,6 +35,7 @@ from tidal.broker.state import BrokerState
 from tidal.broker.state_records import CutBatch, Node
 from tidal.broker.status_line import status_line
 from tidal.broker.submit_memory import SubmitArena, can_share
+from tidal.broker.zmq_messages import recv_frames, send_parts
 from tidal.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -158,7 +159,7 @@ class BrokerServer:
         try:
             for _ in range(DRAIN_BATCH):
                 try:
-                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    frames = recv_frames(self.sock, zmq.NOBLOCK)
                 except zmq.Again:
                     return
                 self._handle(frames[0].bytes, frames[1:])
@@ -255,7 +256,7 @@ class BrokerServer:
                 # already durable, but never ahead of earlier held replies (acks stay cumulative in order)
                 self._release_held(journal.durable_seq)
         else:
-            self.sock.send_multipart(message, copy=False)
+            send_parts(self.sock, message, copy=False)
 
     def _on_durable(self, seq: int) -> None:
         """From the journal's writer thread: hand the release of held replies to the event loop."""
@@ -264,7 +265,7 @@ class BrokerServer:
     def _release_held(self, seq: int) -> None:
         sent = False
         while self._held and self._held[0][0] <= seq:
-            self.sock.send_multipart(self._held.popleft()[1], copy=False)
+            send_parts(self.sock, self._held.popleft()[1], copy=False)
             sent = True
         if sent:
             self._kick()
@@ -358,7 +359,7 @@ class BrokerServer:
                 "policy_version": self.state.version,
                 "finished": self.state.finished,
             }
-            self.sock.send_multipart([node.peer, proto.encode_envelope("lease", node.stream_id, body)])
+            send_parts(self.sock, [node.peer, proto.encode_envelope("lease", node.stream_id, body)])
         if pushed:
             self._kick()  # a send after the socket read empty may have taken the edge of a new message
 
