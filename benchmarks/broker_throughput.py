@@ -7,7 +7,8 @@ Each sample is ``tokens`` x (int32 id + float32 logprob + int32 version) plus ~2
   rollout-node clients on uvloop, as `tidal rollout` runs them (a standing lease request the broker fills as groups are submitted, or with
   ``--request-leases`` one ``lease`` call each; then submit whole groups of ``--group-size`` samples), the
   consumer is the trainer client: ``get_batch`` of ``--batch-groups`` groups (the broker's default) one
-  ahead on a thread, and after each batch ``publish_version`` (as the trainer after a step) and
+  ahead on a thread, asking the broker one batch further ahead while it waits for its batch as the trainer
+  does (``--ask-ahead``), and after each batch ``publish_version`` (as the trainer after a step) and
   ``report_consumed``, sent without waiting for their replies (``--wait-reports`` waits). The broker admits
   by its staleness bound (``--max-staleness``, policy ``keep``), so what it holds stays bounded as in a run;
   ``--open-admission`` publishes no versions and opens the bound wide (producers run ahead, the broker
@@ -183,7 +184,9 @@ class BrokerOptions:
     # may run arbitrarily far ahead of the consumer).
     max_staleness: int | None = BrokerConfig().max_staleness
     wait_reports: bool = False  # the consumer waits for each report_consumed / publish_version reply
-    ask_ahead: bool = False  # the consumer's client asks for the next batch before decoding (BrokerClient)
+    # when the consumer's client asks for the next batch before decoding this one (BrokerClient.ask_ahead):
+    # "starved" as the trainer (while it waits for its batch), "always" or "never"
+    ask_ahead: str = "starved"
     extra: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)  # extra environment of the broker process
 
@@ -248,7 +251,7 @@ def run_broker(
                 timeout_s=120,
                 read_journal=opts.journal_reads,
                 read_memory=opts.memory_reads,
-                ask_ahead=opts.ask_ahead,
+                ask_ahead=opts.ask_ahead == "always",
             ) as fetcher,
             ThreadPoolExecutor(max_workers=1) as pool,
         ):
@@ -267,6 +270,8 @@ def run_broker(
             batch_wait = 0.0  # seconds the consumer waited for its next batch (fetch, copy and decode)
             for i in range(len(sizes)):
                 t = time.perf_counter()
+                if opts.ask_ahead == "starved":
+                    fetcher.ask_ahead = not ahead.done()  # the trainer's rule (trainer/main.py)
                 batch = ahead.result()
                 batch_wait += time.perf_counter() - t
                 if batch is None:
@@ -407,9 +412,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--ask-ahead",
-        action="store_true",
-        help="the consumer's client asks for the next batch before it copies and decodes the one it got "
-        "(BrokerClient(ask_ahead=True); off in the trainer)",
+        choices=("starved", "always", "never"),
+        default="starved",
+        help="when the consumer's client asks for the next batch before it copies and decodes the one it "
+        "got (BrokerClient.ask_ahead): while the consumer waits for its batch, as the trainer does "
+        "(starved, the default), always, or never (the trainer's rule before session 32)",
     )
     ap.add_argument("--ray-batch", type=int, default=64, help="samples per put/get call for ray_queue")
     ap.add_argument("--no-ray", action="store_true", help="skip the Ray baselines")

@@ -61,10 +61,9 @@ class BrokerClient:
         self._registration: dict[str, Any] | None = None
         self._buffers = _BufferPool()
         # With ask_ahead, get_batch asks for the next batch before it copies and decodes the one it got,
-        # so the broker's reply time overlaps that work (a feed with no step between batches gains; the
-        # default job's trainer, which fetches one ahead on a thread anyway, ran 5-9% slower with it):
-        # (after, num_groups, request fields, request id) of the request sent ahead, and its reply when
-        # it came while another call waited
+        # so the broker's reply time overlaps that work (a starved consumer gains; the trainer turns it on
+        # while it waits for batches, trainer/main.py): (after, num_groups, request fields, request id) of
+        # the request sent ahead, and its reply when it came while another call waited
         self._ahead: tuple[int, int | None, dict[str, Any], int] | None = None
         self._stash: dict[int, tuple[str, dict[str, Any], list[Any]]] = {}
         self.ask_ahead = ask_ahead

@@ -101,6 +101,11 @@ class _BatchFeed:
         (the request stays pending for the next call)."""
         self.prefetch(after)
         _, future = self.pending
+        # A trainer that has to wait for its batch is starved: its fetches then ask one batch ahead, so that
+        # the broker's reply time overlaps the copying and decoding of the batch before; one whose batch
+        # is ready leaves that off (always on, it moved that work into the default job's CPU steps, 5-9%
+        # slower). docs/protocol.md, "A client may ask one batch ahead".
+        self.fetcher.ask_ahead = not future.done()
         try:
             batch = future.result(timeout=wait_s)
         except concurrent.futures.TimeoutError:

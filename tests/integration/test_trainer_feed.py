@@ -83,3 +83,40 @@ def test_no_batch_is_a_starved_broker_until_the_data_is_exhausted(tmp_path):
     finally:
         feed.close()
         stop(proc)
+
+
+def _submit(address, groups: int) -> None:
+    with BrokerClient(address, timeout_s=10) as node:
+        node.register("rollout", "scripted-node")
+        lease = node.lease(groups)
+        node.submit(lease.lease_id, [fake_group(g, response_len=3) for g in lease.groups])
+
+
+def test_a_starved_feed_asks_one_batch_ahead_and_a_fed_one_does_not(tmp_path):
+    proc, address = start_broker(tmp_path, 16, group_size=4, batch_groups=2, max_staleness=8)
+    feed = _BatchFeed(address, timeout_s=5.0, name="trainer-test")
+    try:
+        # fed: the fetch is done when the trainer wants its batch, so it asks for nothing further
+        _submit(address, 4)
+        feed.prefetch(-1)
+        feed.pending[1].result(10)
+        assert feed.get(-1).batch_id == 0
+        assert not feed.fetcher.ask_ahead
+        feed.prefetch(0)
+        feed.pending[1].result(10)
+        assert feed.get(0).batch_id == 1
+        assert feed.fetcher.batches_asked_ahead == 0
+        # starved: it waits for batch 2, so that fetch asks for batch 3 as soon as batch 2 comes
+        feed.prefetch(1)
+        with pytest.raises(TimeoutError):
+            feed.get(1, wait_s=0.3)
+        assert feed.fetcher.ask_ahead
+        _submit(address, 4)
+        assert feed.get(1, wait_s=10).batch_id == 2
+        feed.prefetch(2)
+        feed.pending[1].result(10)  # batch 3: the reply to the request sent ahead
+        assert feed.get(2).batch_id == 3
+        assert feed.fetcher.batches_asked_ahead == 1
+    finally:
+        feed.close()
+        stop(proc)
