@@ -70,8 +70,11 @@ class _BatchFeed:
         curve=None,
         broker_wait_s: float = 0.0,
         model: dict[str, str] | None = None,
+        ask_ahead: str = "starved",
     ):
         from tidal.broker.client import BrokerClient
+
+        self.ask_ahead = ask_ahead  # trainer.ask_ahead: "starved" or "never"
 
         self.address = address
         self.timeout_s = timeout_s
@@ -105,7 +108,7 @@ class _BatchFeed:
         # the broker's reply time overlaps the copying and decoding of the batch before; one whose batch
         # is ready leaves that off (always on, it moved that work into the default job's CPU steps, 5-9%
         # slower). docs/protocol.md, "A client may ask one batch ahead".
-        self.fetcher.ask_ahead = not future.done()
+        self.fetcher.ask_ahead = self.ask_ahead == "starved" and not future.done()
         try:
             batch = future.result(timeout=wait_s)
         except concurrent.futures.TimeoutError:
@@ -304,6 +307,7 @@ def main(config: RunConfig, args: list[str]) -> int:
             curve,
             tc.broker_wait_s,
             model_identity(config.model),
+            tc.ask_ahead,
         )
         if trainer.rank == 0
         else None

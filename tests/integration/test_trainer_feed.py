@@ -117,6 +117,12 @@ def test_a_starved_feed_asks_one_batch_ahead_and_a_fed_one_does_not(tmp_path):
         feed.pending[1].result(10)  # batch 3: the reply to the request sent ahead
         assert feed.get(2).batch_id == 3
         assert feed.fetcher.batches_asked_ahead == 1
+        # trainer.ask_ahead=never: starved, it still sends one request a batch
+        feed.ask_ahead = "never"
+        feed.prefetch(3)
+        with pytest.raises(TimeoutError):
+            feed.get(3, wait_s=0.3)
+        assert not feed.fetcher.ask_ahead
     finally:
         feed.close()
         stop(proc)
