@@ -9,7 +9,6 @@ import uvloop
 import zmq
 
 from tidal.broker.loop_socket import LoopSocket
-from tidal.procs import free_port
 
 
 class CountingSocket(LoopSocket):
@@ -22,25 +21,9 @@ class CountingSocket(LoopSocket):
         super()._on_readable()
 
 
-@pytest.fixture
-def pair():
-    """A ROUTER (the broker's side) and a connected DEALER on loopback; closed after the test."""
-    ctx = zmq.Context()
-    address = f"tcp://127.0.0.1:{free_port()}"
-    router = ctx.socket(zmq.ROUTER)
-    router.bind(address)
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(address)
-    yield router, dealer
-    dealer.close(0)
-    router.close(0)
-    ctx.term()
-
-
 @pytest.mark.parametrize("run", [asyncio.run, uvloop.run], ids=["asyncio", "uvloop"])
-def test_concurrent_sends_and_one_reader_see_every_reply_in_order(run, pair):
-    router, dealer = pair
+def test_concurrent_sends_and_one_reader_see_every_reply_in_order(run, router_dealer):
+    router, dealer = router_dealer
     sock = LoopSocket(dealer)
 
     def echo():  # the peer answers on its own thread, as the broker's process would
@@ -71,21 +54,6 @@ def test_concurrent_sends_and_one_reader_see_every_reply_in_order(run, pair):
     for k in range(3):
         mine = [g for g in got if g.startswith(f"{k}:".encode())]
         assert mine == [f"{k}:{i}".encode() for i in range(200)]
-
-
-@pytest.fixture
-def unconnected():
-    """A bound ROUTER, a DEALER not yet connected to it (it cannot take a message) and the address."""
-    ctx = zmq.Context()
-    address = f"tcp://127.0.0.1:{free_port()}"
-    router = ctx.socket(zmq.ROUTER)
-    router.bind(address)
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    yield router, dealer, address
-    dealer.close(0)
-    router.close(0)
-    ctx.term()
 
 
 def test_a_send_with_no_peer_waits_until_one_connects(unconnected):
@@ -121,8 +89,8 @@ def test_try_send_queues_what_zeromq_takes_at_once_and_sends_nothing_where_it_wo
     sock.detach()
 
 
-def test_a_message_nobody_waits_for_does_not_spin_the_loop_and_is_received_later(pair):
-    router, dealer = pair
+def test_a_message_nobody_waits_for_does_not_spin_the_loop_and_is_received_later(router_dealer):
+    router, dealer = router_dealer
     sock = CountingSocket(dealer)
 
     async def main():
@@ -140,8 +108,8 @@ def test_a_message_nobody_waits_for_does_not_spin_the_loop_and_is_received_later
     assert asyncio.run(main()) == [b"pong"]
 
 
-def test_close_after_the_loop_ended_and_reuse_on_a_new_loop(pair):
-    router, dealer = pair
+def test_close_after_the_loop_ended_and_reuse_on_a_new_loop(router_dealer):
+    router, dealer = router_dealer
     sock = LoopSocket(dealer)
 
     async def round_trip(payload):

@@ -5,28 +5,11 @@ import pytest
 import zmq
 
 from tidal.broker.zmq_messages import readable, recv_frames, send_parts
-from tidal.procs import free_port
-
-
-@pytest.fixture
-def pair():
-    """A ROUTER and a connected DEALER on loopback (the broker and a client); closed after the test."""
-    ctx = zmq.Context()
-    address = f"tcp://127.0.0.1:{free_port()}"
-    router = ctx.socket(zmq.ROUTER)
-    router.bind(address)
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(address)
-    yield router, dealer
-    dealer.close(0)
-    router.close(0)
-    ctx.term()
 
 
 @pytest.mark.parametrize("copy", [True, False])
-def test_parts_of_every_kind_arrive_whole_and_in_order(pair, copy):
-    router, dealer = pair
+def test_parts_of_every_kind_arrive_whole_and_in_order(router_dealer, copy):
+    router, dealer = router_dealer
     big = np.arange(100_000, dtype=np.int32)  # over pyzmq's copy threshold: by reference when copy=False
     parts = [b"envelope", memoryview(b"a view"), zmq.Frame(b"a frame"), big.data, b""]
     send_parts(dealer, parts, copy=copy)
@@ -42,8 +25,8 @@ def test_parts_of_every_kind_arrive_whole_and_in_order(pair, copy):
     assert router.recv_multipart()[1:] == [b"one", b"two"]
 
 
-def test_messages_are_taken_one_at_a_time(pair):
-    router, dealer = pair
+def test_messages_are_taken_one_at_a_time(router_dealer):
+    router, dealer = router_dealer
     for i in range(3):
         send_parts(dealer, [b"m%d" % i, b"tail"])
     seen = []
@@ -56,30 +39,20 @@ def test_messages_are_taken_one_at_a_time(pair):
     assert not readable(router, 0)
 
 
-def test_a_send_that_would_block_raises_again_and_sends_nothing():
-    ctx = zmq.Context()
-    dealer = ctx.socket(zmq.DEALER)  # no peer: a DEALER has nowhere to queue a message
-    dealer.setsockopt(zmq.LINGER, 0)
-    try:
-        with pytest.raises(zmq.Again):
-            send_parts(dealer, [b"first", b"second"], zmq.NOBLOCK)
-        dealer.sndtimeo = 50
-        with pytest.raises(zmq.Again):  # a send timeout as well
-            send_parts(dealer, [b"only"])
-        # once a peer connects, the next message is the first it sees: nothing half-sent went before it
-        address = f"tcp://127.0.0.1:{free_port()}"
-        router = ctx.socket(zmq.ROUTER)
-        router.bind(address)
-        dealer.connect(address)
-        dealer.sndtimeo = 5000
-        send_parts(dealer, [b"after", b"connect"])
-        assert readable(router, 5000)
-        assert [f.bytes for f in recv_frames(router)][1:] == [b"after", b"connect"]
-        assert not readable(router, 100)
-        router.close(0)
-    finally:
-        dealer.close(0)
-        ctx.term()
+def test_a_send_that_would_block_raises_again_and_sends_nothing(unconnected):
+    router, dealer, address = unconnected  # a DEALER with no peer has nowhere to queue a message
+    with pytest.raises(zmq.Again):
+        send_parts(dealer, [b"first", b"second"], zmq.NOBLOCK)
+    dealer.sndtimeo = 50
+    with pytest.raises(zmq.Again):  # a send timeout as well
+        send_parts(dealer, [b"only"])
+    # once it connects, the next message is the first the peer sees: nothing half-sent went before it
+    dealer.connect(address)
+    dealer.sndtimeo = 5000
+    send_parts(dealer, [b"after", b"connect"])
+    assert readable(router, 5000)
+    assert [f.bytes for f in recv_frames(router)][1:] == [b"after", b"connect"]
+    assert not readable(router, 100)
 
 
 def test_what_is_no_zmq_socket_is_refused_not_crashed_on():
