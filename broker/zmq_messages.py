@@ -20,6 +20,7 @@ from zmq.backend import Socket as _Backend
 _send = _Backend.send
 _recv = _Backend.recv
 _SNDMORE = zmq.SNDMORE
+_BUFFERS = (bytes, zmq.Frame, memoryview)
 
 
 def _check(sock: Any) -> None:
@@ -30,8 +31,16 @@ def _check(sock: Any) -> None:
 
 
 def send_parts(sock: zmq.Socket, parts: list[Any], flags: int = 0, copy: bool = True) -> None:
-    """``sock.send_multipart(parts, flags, copy=copy)``; raises ``zmq.Again`` as it does."""
+    """``sock.send_multipart(parts, flags, copy=copy)``; raises ``zmq.Again`` as it does, and ``TypeError``
+    for a part that is no buffer before anything is sent (a message sent in part would be glued to the
+    next one)."""
     _check(sock)
+    for i, part in enumerate(parts):
+        if not isinstance(part, _BUFFERS):
+            try:
+                memoryview(part)
+            except TypeError:
+                raise TypeError(f"message part {i} ({type(part).__name__}) is no buffer") from None
     last = len(parts) - 1
     for i in range(last):
         part = parts[i]

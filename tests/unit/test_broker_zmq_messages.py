@@ -55,6 +55,15 @@ def test_a_send_that_would_block_raises_again_and_sends_nothing(unconnected):
     assert not readable(router, 100)
 
 
+def test_a_part_that_is_no_buffer_is_refused_before_anything_is_sent(router_dealer):
+    router, dealer = router_dealer
+    with pytest.raises(TypeError, match="message part 1 \\(str\\) is no buffer"):
+        send_parts(dealer, [b"first", "a str", b"third"])
+    send_parts(dealer, [b"next", b"message"])
+    assert readable(router, 5000)
+    assert [f.bytes for f in recv_frames(router)][1:] == [b"next", b"message"]
+
+
 def test_what_is_no_zmq_socket_is_refused_not_crashed_on():
     # the backend's C functions would take it for a socket's memory
     class NotASocket:
