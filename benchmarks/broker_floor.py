@@ -67,7 +67,7 @@ from tidal.procs import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from broker_baselines import PRODUCERS, run_zmq, sample_arrays  # noqa: E402
-from broker_throughput import BrokerOptions, _group, run_broker  # noqa: E402
+from broker_method import BrokerOptions, _group, run_broker  # noqa: E402
 
 VARIANTS = ("tidal", "floor", "floor_free_encode", "floor_free_codec", "floor_wire")
 DRAIN_BATCH = 64

@@ -51,7 +51,7 @@ from tidal.broker.testing import write_rows
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from broker_baselines import sample_arrays  # noqa: E402
-from broker_throughput import _group  # noqa: E402  (the broker benchmark's groups, built the same way)
+from broker_method import _group  # noqa: E402  (the broker benchmark's groups, built the same way)
 
 STEPS = {
     "tidal": ("lease", "submit", "commit", "batch", "consumed"),

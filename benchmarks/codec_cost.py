@@ -29,7 +29,7 @@ from tidal.broker.codec import decode_group, encode_group, inspect_group
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from broker_baselines import sample_arrays  # noqa: E402
-from broker_throughput import _group  # noqa: E402  (the broker benchmark's groups, built the same way)
+from broker_method import _group  # noqa: E402  (the broker benchmark's groups, built the same way)
 
 STAGES = ("build", "encode", "inspect", "decode")
 CODECS = ("native", "python")

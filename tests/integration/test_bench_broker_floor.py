@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 import broker_floor  # noqa: E402
 from broker_baselines import PRODUCERS, sample_arrays  # noqa: E402
-from broker_throughput import _group  # noqa: E402
+from broker_method import _group  # noqa: E402
 
 from tidal.broker.codec import encode_group  # noqa: E402
 

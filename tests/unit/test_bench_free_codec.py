@@ -10,7 +10,7 @@ from tidal.broker.codec import decode_group, encode_group, inspect_group
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import free_codec  # noqa: E402
 from broker_baselines import sample_arrays  # noqa: E402
-from broker_throughput import _group  # noqa: E402
+from broker_method import _group  # noqa: E402
 
 
 def test_free_encode_writes_the_codecs_frame_under_each_group_id():
