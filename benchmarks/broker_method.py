@@ -24,6 +24,7 @@ from tidal.broker.client import AsyncBrokerClient, BrokerClient
 from tidal.broker.config import BrokerConfig
 from tidal.broker.testing import start_broker
 from tidal.broker.types import Group, Sample
+from tidal.heap import freeze_start_up_heap
 from tidal.procs import free_port, stop, tail
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -214,6 +215,7 @@ def run_broker(
             ThreadPoolExecutor(max_workers=1) as pool,
         ):
             trainer.register("trainer", "bench")
+            freeze_start_up_heap()  # as the trainer does before its first step (trainer/main.py)
             time.sleep(0.5)
             broker0 = cpu_seconds(proc.pid)
             threads0 = thread_cpu_seconds(proc.pid)

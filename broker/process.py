@@ -19,6 +19,8 @@ import os
 import sys
 from pathlib import Path
 
+from tidal.heap import freeze_start_up_heap
+
 log = logging.getLogger(__name__)
 
 # mallopt parameters (malloc.h)
@@ -55,8 +57,7 @@ def keep_freed_memory() -> bool:
 
 def tune_gc() -> None:
     """Freeze what start-up built (config, replayed state) and collect less often."""
-    gc.collect()
-    gc.freeze()
+    freeze_start_up_heap()
     gc.set_threshold(*GC_THRESHOLDS)
 
 

@@ -31,6 +31,7 @@ from tidal.broker.curve import client_keys
 from tidal.broker.process_identity import this_process
 from tidal.config import RunConfig
 from tidal.errors import NO_BATCH_EXIT, ConfigError
+from tidal.heap import freeze_start_up_heap
 from tidal.model_identity import model_identity
 from tidal.trainer.flags import parse_flags
 from tidal.trainer.stop_request import StopRequest
@@ -327,6 +328,9 @@ def main(config: RunConfig, args: list[str]) -> int:
             )
         if feed is not None:
             feed.publish_version(progress.step)
+        # torch, megatron-core and the model built hundreds of thousands of objects that live until exit:
+        # without this, each full collection walks them all while a batch decodes (benchmarks/feed_gc.py)
+        log.info("garbage collector: %d start-up objects frozen", freeze_start_up_heap())
         last_saved = progress.step
         last_wall = time.perf_counter()
         stopped = False
