@@ -21,5 +21,6 @@ def test_a_short_run_reports_both_settings(tmp_path):
     for m in medians.values():
         assert m["cpu_us_per_sample"] > 0 and m["batch_ms_max"] >= m["batch_ms_median"] > 0
         assert m["objects_tracked"] > 1000  # the imports' objects, frozen or not
-    assert medians["bench/default"]["objects_frozen"] == 0 < medians["bench/frozen"]["objects_frozen"]
+    # (an import may freeze a few objects of its own: the frozen variant freezes the whole start-up heap)
+    assert medians["bench/frozen"]["objects_frozen"] > medians["bench/default"]["objects_frozen"] + 1000
     assert "bench/frozen" in done.stdout and "CPU us/sample" in done.stdout
