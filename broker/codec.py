@@ -166,6 +166,7 @@ class _Frame:
 
     __slots__ = (
         "buf",
+        "bytes_",
         "gid",
         "meta",
         "n",
@@ -178,6 +179,7 @@ class _Frame:
 
     def __init__(self, frame: Any, *, native: bool = True, want_versions: bool = False):
         buf = self.buf = _as_buffer(frame)
+        self.bytes_: np.ndarray | None = None  # the frame as uint8, made by the first column()
         if len(buf) < _HEADER_LEN.size:
             raise ProtocolError(
                 BAD_GROUP, f"group frame of {len(buf)} bytes is shorter than its header length"
@@ -258,7 +260,10 @@ class _Frame:
 
     def column(self, name: str) -> np.ndarray:
         dt, count, begin = self.specs[name]
-        return np.frombuffer(self.buf, dtype=dt, count=count, offset=begin)
+        # views of one uint8 array of the frame: a third of np.frombuffer's cost per column (per group)
+        if self.bytes_ is None:
+            self.bytes_ = np.frombuffer(self.buf, np.uint8)
+        return self.bytes_[begin : begin + count * dt.itemsize].view(dt)
 
     def _per_sample(self, name: str, code: str) -> tuple[Any, ...]:
         _, count, begin = self.specs[name]
@@ -300,12 +305,10 @@ def decode_group(frame: Any, *, native: bool = True) -> Group:
             BAD_GROUP,
             f"group {f.gid!r}: {SAMPLE_INFO} must be msgpack [finish_reasons, metas] of n={f.n}: {exc}",
         ) from None
-    cols = {name: f.column(name) for name in f.specs if name in TOKEN_ARRAYS or name == "loss_mask"}
-    p_ends = list(accumulate(f.prompt_lens))
-    r_ends = list(accumulate(f.response_lens))
-    rewards = f.rewards
-    prompt_ids, response_ids = cols["prompt_ids"], cols["response_ids"]
-    logprobs, versions, mask = cols["logprobs"], cols["versions"], cols.get("loss_mask")
+    column, rewards = f.column, f.rewards
+    prompt_ids, response_ids = column("prompt_ids"), column("response_ids")
+    logprobs, versions = column("logprobs"), column("versions")
+    mask = column("loss_mask") if "loss_mask" in f.specs else None
     group_meta = f.meta if isinstance(f.meta, dict) else {}
     module = _native() if native else None
     if module is not None:
@@ -315,6 +318,8 @@ def decode_group(frame: Any, *, native: bool = True) -> Group:
             rewards, finish_reasons, metas,
         )  # fmt: skip
         return Group(group_id=f.gid, samples=samples, meta=group_meta)
+    p_ends = list(accumulate(f.prompt_lens))
+    r_ends = list(accumulate(f.response_lens))
     samples = []
     p0 = r0 = 0
     for i in range(f.n):
