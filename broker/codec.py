@@ -84,7 +84,7 @@ def _native() -> Any:
     """The C hot paths (``native_codec.c``), configured; None where they cannot be built."""
     module, _ = native_codec.load()
     if module is not None:
-        module.configure(_DTYPES, np.empty, np.uint8, msgpack.packb)
+        module.configure(_DTYPES, np.empty, np.uint8, np.frombuffer, msgpack.packb)
     return module
 
 
@@ -295,6 +295,11 @@ def _struct(count: int, code: str) -> struct.Struct:
 
 def decode_group(frame: Any, *, native: bool = True) -> Group:
     """Zero-copy decode: the arrays are read-only views into ``frame``."""
+    module = _native() if native else None
+    if module is not None:
+        group = module.decode(_as_buffer(frame), Sample, Group)  # the whole of what follows, in C
+        if group is not None:
+            return group
     f = _Frame(frame, native=native)
     try:
         finish_reasons, metas = unpackb(f.column(SAMPLE_INFO), strict_map_key=True, native=native)
@@ -310,8 +315,7 @@ def decode_group(frame: Any, *, native: bool = True) -> Group:
     logprobs, versions = column("logprobs"), column("versions")
     mask = column("loss_mask") if "loss_mask" in f.specs else None
     group_meta = f.meta if isinstance(f.meta, dict) else {}
-    module = _native() if native else None
-    if module is not None:
+    if module is not None and type(finish_reasons) is list and type(metas) is list:
         # Sample objects made as dataclass instances with their fields set (Sample has no __post_init__)
         samples = module.samples(
             Sample, prompt_ids, response_ids, logprobs, versions, mask, f.prompt_lens, f.response_lens,
@@ -344,6 +348,11 @@ def decode_group(frame: Any, *, native: bool = True) -> Group:
 def inspect_group(frame: Any, *, native: bool = True) -> GroupInfo:
     """Validate a frame as :func:`decode_group` does (all but the opaque per-sample metadata, which only
     the trainer reads) and summarise it for the broker, in a few operations per group."""
+    module = _native() if native else None
+    if module is not None:
+        fields = module.inspect(_as_buffer(frame))  # what follows, in C
+        if fields is not None:
+            return GroupInfo(*fields)
     f = _Frame(frame, native=native, want_versions=True)
     dt, count, begin = f.specs["versions"]
     if f.version_range is not None:

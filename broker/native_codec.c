@@ -11,6 +11,9 @@
                                    -> (specs, prompt_lens, response_lens, rewards, vmin, vmax), or None
    samples(cls, columns, prompt_lens, response_lens, rewards, finish_reasons, metas)
                                    -> [Sample, ...] (views of the columns, no copies)
+   inspect(buffer)                 -> inspect_group's summary (GroupInfo's fields), or None
+   decode(buffer, Sample, Group)   -> decode_group's Group (layout, the sample info, column views,
+                                      samples), or None
    crc32_combine(crc_a, crc_b, len_b)
                                    -> zlib.crc32(a + b)
    gather(dest, at, parts)         -> at + total bytes copied, or None where they do not fit
@@ -43,8 +46,9 @@ static const char *NAMES[NUM_KNOWN] = {"rewards",      "prompt_lens", "response_
 static PyObject *name_objs[NUM_KNOWN]; /* interned names */
 static PyObject *known_index;          /* {name: index} */
 static PyObject *dtype_objs;           /* {"<i4": np.dtype("<i4"), ...}: the allowed dtypes */
-static PyObject *np_empty, *np_uint8, *packb;
-static PyObject *s_samples, *s_group_id, *s_meta, *s_reward, *s_finish_reason;
+static PyObject *np_empty, *np_uint8, *np_frombuffer, *packb;
+static PyObject *s_samples, *s_group_id, *s_meta, *s_reward, *s_finish_reason, *s_id, *s_n, *s_arrays, *s_view,
+    *s_itemsize;
 
 /* ---- dtypes ---- */
 
@@ -455,19 +459,12 @@ static void int_range(const char *p, long long count, const char *dtype, long lo
     else if (!strcmp(dtype, "<u2")) range_u2(p, count, lo, hi);
 }
 
-static PyObject *layout(PyObject *self, PyObject *args) {
-    PyObject *bufobj, *arrays;
-    Py_ssize_t data_start, n;
-    int want_versions;
-    if (!PyArg_ParseTuple(args, "OnnO!p", &bufobj, &data_start, &n, &PyDict_Type, &arrays, &want_versions))
-        return NULL;
-    Py_buffer view;
-    if (PyObject_GetBuffer(bufobj, &view, PyBUF_SIMPLE) < 0) return NULL;
-    const char *buf = view.buf;
-    long long size = view.len;
+/* layout()'s checks on a buffer already held; ``spec`` gets where each array lies. */
+static PyObject *layout_of(const char *buf, long long size, Py_ssize_t data_start, Py_ssize_t n,
+                           PyObject *arrays, int want_versions, Spec *spec) {
     PyObject *result = NULL, *specs = PyDict_New(), *plens = NULL, *rlens = NULL, *rewards = NULL;
-    Spec spec[NUM_KNOWN] = {{0}};
     const char *dtype_str[NUM_KNOWN] = {0};
+    memset(spec, 0, NUM_KNOWN * sizeof(Spec));
     if (!specs) goto fail;
 
     Py_ssize_t pos = 0;
@@ -539,7 +536,6 @@ reject:
 fail:
     result = NULL;
 done:
-    PyBuffer_Release(&view);
     Py_XDECREF(specs);
     Py_XDECREF(plens);
     Py_XDECREF(rlens);
@@ -547,15 +543,25 @@ done:
     return result;
 }
 
+static PyObject *layout(PyObject *self, PyObject *args) {
+    PyObject *bufobj, *arrays;
+    Py_ssize_t data_start, n;
+    int want_versions;
+    if (!PyArg_ParseTuple(args, "OnnO!p", &bufobj, &data_start, &n, &PyDict_Type, &arrays, &want_versions))
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(bufobj, &view, PyBUF_SIMPLE) < 0) return NULL;
+    Spec spec[NUM_KNOWN];
+    PyObject *result = layout_of(view.buf, view.len, data_start, n, arrays, want_versions, spec);
+    PyBuffer_Release(&view);
+    return result;
+}
+
 /* ---- samples: decode_group's Sample objects, views into the columns ---- */
 
-static PyObject *samples(PyObject *self, PyObject *args) {
-    PyObject *cls, *prompt_ids, *response_ids, *logprobs, *versions, *mask, *plens, *rlens, *rewards;
-    PyObject *reasons, *metas;
-    if (!PyArg_ParseTuple(args, "O!OOOOOO!O!O!O!O!", &PyType_Type, &cls, &prompt_ids, &response_ids,
-                          &logprobs, &versions, &mask, &PyTuple_Type, &plens, &PyTuple_Type, &rlens,
-                          &PyTuple_Type, &rewards, &PyList_Type, &reasons, &PyList_Type, &metas))
-        return NULL;
+static PyObject *samples_of(PyObject *cls, PyObject *prompt_ids, PyObject *response_ids, PyObject *logprobs,
+                            PyObject *versions, PyObject *mask, PyObject *plens, PyObject *rlens,
+                            PyObject *rewards, PyObject *reasons, PyObject *metas) {
     Py_ssize_t n = PyTuple_GET_SIZE(plens);
     if (PyTuple_GET_SIZE(rlens) != n || PyTuple_GET_SIZE(rewards) != n || PyList_GET_SIZE(reasons) != n ||
         PyList_GET_SIZE(metas) != n) {
@@ -604,6 +610,17 @@ fail:
     Py_XDECREF(empty);
     Py_XDECREF(out);
     return NULL;
+}
+
+static PyObject *samples(PyObject *self, PyObject *args) {
+    PyObject *cls, *prompt_ids, *response_ids, *logprobs, *versions, *mask, *plens, *rlens, *rewards;
+    PyObject *reasons, *metas;
+    if (!PyArg_ParseTuple(args, "O!OOOOOO!O!O!O!O!", &PyType_Type, &cls, &prompt_ids, &response_ids,
+                          &logprobs, &versions, &mask, &PyTuple_Type, &plens, &PyTuple_Type, &rlens,
+                          &PyTuple_Type, &rewards, &PyList_Type, &reasons, &PyList_Type, &metas))
+        return NULL;
+    return samples_of(cls, prompt_ids, response_ids, logprobs, versions, mask, plens, rlens, rewards, reasons,
+                      metas);
 }
 
 /* ---- crc32_combine: the CRC-32 of two byte strings joined, from the CRC of each ---- */
@@ -888,6 +905,171 @@ static PyObject *unpack(PyObject *self, PyObject *obj) {
     return out;
 }
 
+/* ---- decode: decode_group in one call ---- */
+
+/* A uint8-array view of bytes [begin, begin + nbytes) of ``u8`` as ``dtype`` (what _Frame.column makes). */
+static PyObject *column_view(PyObject *u8, long long begin, long long nbytes, PyObject *dtype) {
+    PyObject *lo = PyLong_FromLongLong(begin), *hi = PyLong_FromLongLong(begin + nbytes);
+    PyObject *slice = lo && hi ? PySlice_New(lo, hi, NULL) : NULL;
+    PyObject *part = slice ? PyObject_GetItem(u8, slice) : NULL;
+    PyObject *out = part ? PyObject_CallMethodOneArg(part, s_view, dtype) : NULL;
+    Py_XDECREF(slice);
+    Py_XDECREF(lo);
+    Py_XDECREF(hi);
+    Py_XDECREF(part);
+    return out;
+}
+
+/* The header of the frame ``buf``: sets *header (a new reference, also where 0 is returned), its id, n and
+   arrays (borrowed from it) and where the arrays' data starts. 1 where _Frame's checks of the header hold
+   and nothing is left to msgpack; 0 where the Python checks must run instead; -1 on memory errors. */
+static int read_header(const char *buf, long long size, PyObject **header, PyObject **gid, Py_ssize_t *n,
+                       PyObject **arrays, Py_ssize_t *data_start) {
+    *header = NULL;
+    if (size < 4) return 0;
+    uint32_t hlen;
+    memcpy(&hlen, buf, 4);
+    if (4 + (long long)hlen > size) return 0;
+    Reader r = {(const unsigned char *)buf + 4, (const unsigned char *)buf + 4 + hlen};
+    *header = unpack_one(&r, 0);
+    if (!*header) return -1;
+    if (*header == Py_NotImplemented || r.p != r.end || !PyDict_CheckExact(*header)) return 0;
+    *gid = PyDict_GetItemWithError(*header, s_id);
+    PyObject *n_obj = *gid ? PyDict_GetItemWithError(*header, s_n) : NULL;
+    *arrays = n_obj ? PyDict_GetItemWithError(*header, s_arrays) : NULL;
+    if (PyErr_Occurred()) return -1;
+    if (!*gid || !PyUnicode_CheckExact(*gid) || !n_obj || !PyLong_CheckExact(n_obj) || !*arrays ||
+        !PyDict_CheckExact(*arrays))
+        return 0;
+    long long n_ll;
+    if (!as_count(n_obj, &n_ll) || n_ll < 1 || n_ll > size) return 0; /* _Frame's native path: n <= size */
+    *n = (Py_ssize_t)n_ll;
+    long long start = 4 + (long long)hlen;
+    *data_start = (Py_ssize_t)(start + pad8(start));
+    return 1;
+}
+
+/* inspect_group's summary of the frame ``buf`` in one call: (group_id, num_samples, rewards, min_version,
+   num_tokens, max_version, versions_at), GroupInfo's fields in order; None where codec.py must run. */
+static PyObject *inspect(PyObject *self, PyObject *bufobj) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(bufobj, &view, PyBUF_SIMPLE) < 0) return NULL;
+    PyObject *result = NULL, *header = NULL, *laid = NULL, *rewards = NULL, *gid, *arrays;
+    Py_ssize_t n, data_start;
+    Spec spec[NUM_KNOWN];
+    int read = read_header(view.buf, view.len, &header, &gid, &n, &arrays, &data_start);
+    if (read < 0) goto fail;
+    if (read == 0) goto reject;
+    laid = layout_of(view.buf, view.len, data_start, n, arrays, 1, spec);
+    if (!laid) goto fail;
+    if (laid == Py_None) goto reject;
+    rewards = PySequence_List(PyTuple_GET_ITEM(laid, 3));
+    if (!rewards) goto fail;
+    Spec *v = &spec[VERSIONS];
+    result = Py_BuildValue("(OnOOLO(LLO))", gid, n, rewards, PyTuple_GET_ITEM(laid, 4), spec[RESPONSE_IDS].count,
+                           PyTuple_GET_ITEM(laid, 5), v->begin, v->count, v->dtype);
+    goto done;
+reject:
+    PyErr_Clear();
+    result = Py_NewRef(Py_None);
+    goto done;
+fail:
+    result = NULL;
+done:
+    PyBuffer_Release(&view);
+    Py_XDECREF(header);
+    Py_XDECREF(laid);
+    Py_XDECREF(rewards);
+    return result;
+}
+
+/* The Group decode_group returns for the frame ``buf`` (a contiguous bytes-like object), built as
+   codec.py's path builds it; None wherever that path must run instead (any rule it checks fails, or the
+   frame takes a form this code leaves to it), so its error and message are the ones raised. */
+static PyObject *decode(PyObject *self, PyObject *args) {
+    PyObject *bufobj, *sample_cls, *group_cls;
+    if (!PyArg_ParseTuple(args, "OO!O!", &bufobj, &PyType_Type, &sample_cls, &PyType_Type, &group_cls))
+        return NULL;
+    if (!np_frombuffer) {
+        PyErr_SetString(PyExc_RuntimeError, "decode: configure() first");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(bufobj, &view, PyBUF_SIMPLE) < 0) return NULL;
+    const char *buf = view.buf;
+    long long size = view.len;
+    PyObject *result = NULL, *header = NULL, *laid = NULL, *info = NULL, *u8 = NULL, *group = NULL;
+    PyObject *cols[NUM_COLUMNS] = {0}, *samples_list = NULL, *meta = NULL, *empty = NULL;
+    Spec spec[NUM_KNOWN];
+
+    PyObject *gid, *arrays;
+    Py_ssize_t n, data_start;
+    int read = read_header(buf, size, &header, &gid, &n, &arrays, &data_start);
+    if (read < 0) goto fail;
+    if (read == 0) goto reject;
+    laid = layout_of(buf, size, data_start, n, arrays, 0, spec);
+    if (!laid) goto fail;
+    if (laid == Py_None) goto reject;
+    PyObject *plens = PyTuple_GET_ITEM(laid, 1), *rlens = PyTuple_GET_ITEM(laid, 2),
+             *rewards = PyTuple_GET_ITEM(laid, 3);
+
+    Reader ri = {(const unsigned char *)buf + spec[SAMPLE_INFO].begin,
+                 (const unsigned char *)buf + spec[SAMPLE_INFO].begin + spec[SAMPLE_INFO].count};
+    info = unpack_one(&ri, 0);
+    if (!info) goto fail;
+    if (info == Py_NotImplemented || ri.p != ri.end || !PyList_CheckExact(info) || PyList_GET_SIZE(info) != 2)
+        goto reject;
+    PyObject *reasons = PyList_GET_ITEM(info, 0), *metas = PyList_GET_ITEM(info, 1);
+    if (!PyList_CheckExact(reasons) || !PyList_CheckExact(metas) || PyList_GET_SIZE(reasons) != n ||
+        PyList_GET_SIZE(metas) != n)
+        goto reject;
+
+    u8 = PyObject_CallFunctionObjArgs(np_frombuffer, bufobj, np_uint8, NULL);
+    if (!u8) goto fail;
+    for (int c = 0; c < NUM_COLUMNS; c++) {
+        Spec *sp = &spec[FIRST_COLUMN + c];
+        if (!sp->present) continue; /* only the loss mask may be absent (layout checked the others) */
+        PyObject *itemsize = PyObject_GetAttr(sp->dtype, s_itemsize);
+        long long size_of_item = itemsize ? PyLong_AsLongLong(itemsize) : -1;
+        Py_XDECREF(itemsize);
+        if (size_of_item < 0) goto fail;
+        cols[c] = column_view(u8, sp->begin, sp->count * size_of_item, sp->dtype);
+        if (!cols[c]) goto fail;
+    }
+    samples_list = samples_of(sample_cls, cols[0], cols[1], cols[2], cols[3], cols[4] ? cols[4] : Py_None,
+                              plens, rlens, rewards, reasons, metas);
+    if (!samples_list) goto fail;
+    PyObject *group_meta = PyDict_GetItemWithError(header, s_meta);
+    if (PyErr_Occurred()) goto fail;
+    meta = group_meta && PyDict_Check(group_meta) ? Py_NewRef(group_meta) : PyDict_New();
+    empty = PyTuple_New(0);
+    if (!meta || !empty) goto fail;
+    group = ((PyTypeObject *)group_cls)->tp_new((PyTypeObject *)group_cls, empty, NULL);
+    if (!group || PyObject_SetAttr(group, s_group_id, gid) < 0 ||
+        PyObject_SetAttr(group, s_samples, samples_list) < 0 || PyObject_SetAttr(group, s_meta, meta) < 0)
+        goto fail;
+    result = Py_NewRef(group);
+    goto done;
+reject:
+    PyErr_Clear();
+    result = Py_NewRef(Py_None);
+    goto done;
+fail:
+    result = NULL;
+done:
+    PyBuffer_Release(&view);
+    Py_XDECREF(header);
+    Py_XDECREF(laid);
+    Py_XDECREF(info);
+    Py_XDECREF(u8);
+    for (int c = 0; c < NUM_COLUMNS; c++) Py_XDECREF(cols[c]);
+    Py_XDECREF(samples_list);
+    Py_XDECREF(meta);
+    Py_XDECREF(empty);
+    Py_XDECREF(group);
+    return result;
+}
+
 static PyObject *use_avx2(PyObject *self, PyObject *arg) {
     int want = PyObject_IsTrue(arg);
     if (want < 0) return NULL;
@@ -902,17 +1084,22 @@ static PyObject *use_avx2(PyObject *self, PyObject *arg) {
 /* ---- set-up ---- */
 
 static PyObject *configure(PyObject *self, PyObject *args) {
-    PyObject *dtypes, *empty, *uint8, *pack;
-    if (!PyArg_ParseTuple(args, "O!OOO", &PyDict_Type, &dtypes, &empty, &uint8, &pack)) return NULL;
+    PyObject *dtypes, *empty, *uint8, *frombuffer, *pack;
+    if (!PyArg_ParseTuple(args, "O!OOOO", &PyDict_Type, &dtypes, &empty, &uint8, &frombuffer, &pack)) return NULL;
     Py_XSETREF(dtype_objs, Py_NewRef(dtypes));
     Py_XSETREF(np_empty, Py_NewRef(empty));
     Py_XSETREF(np_uint8, Py_NewRef(uint8));
+    Py_XSETREF(np_frombuffer, Py_NewRef(frombuffer));
     Py_XSETREF(packb, Py_NewRef(pack));
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
-    {"configure", configure, METH_VARARGS, "configure(dtypes, np.empty, np.uint8, msgpack.packb)"},
+    {"configure", configure, METH_VARARGS, "configure(dtypes, np.empty, np.uint8, np.frombuffer, msgpack.packb)"},
+    {"inspect", inspect, METH_O,
+     "inspect(buffer) -> GroupInfo's fields (inspect_group's summary), or None where codec.py must inspect"},
+    {"decode", decode, METH_VARARGS,
+     "decode(buffer, Sample, Group) -> the Group decode_group returns, or None where codec.py must decode"},
     {"encode", encode, METH_VARARGS, "encode(group, alloc) -> frame, or None where codec.py must encode"},
     {"layout", layout, METH_VARARGS,
      "layout(buf, data_start, n, arrays, want_versions) -> (specs, prompt_lens, response_lens, rewards, "
@@ -957,6 +1144,13 @@ PyMODINIT_FUNC PyInit_tidal_codec_native(void) {
     s_meta = PyUnicode_InternFromString("meta");
     s_reward = PyUnicode_InternFromString("reward");
     s_finish_reason = PyUnicode_InternFromString("finish_reason");
-    if (!s_samples || !s_group_id || !s_meta || !s_reward || !s_finish_reason) return NULL;
+    s_id = PyUnicode_InternFromString("id");
+    s_n = PyUnicode_InternFromString("n");
+    s_arrays = PyUnicode_InternFromString("arrays");
+    s_view = PyUnicode_InternFromString("view");
+    s_itemsize = PyUnicode_InternFromString("itemsize");
+    if (!s_samples || !s_group_id || !s_meta || !s_reward || !s_finish_reason || !s_id || !s_n || !s_arrays ||
+        !s_view || !s_itemsize)
+        return NULL;
     return m;
 }

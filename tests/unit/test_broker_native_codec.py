@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
-from tidal.broker import native_codec
-from tidal.broker.codec import ALLOWED_DTYPES, decode_group, encode_group, inspect_group
+from tidal.broker import codec, native_codec
+from tidal.broker.codec import ALLOWED_DTYPES, GroupInfo, decode_group, encode_group, inspect_group
 from tidal.broker.protocol import ProtocolError
 from tidal.broker.types import Group, Sample
 
@@ -374,3 +374,69 @@ def test_unpack_leaves_ext_types_non_string_keys_bad_utf8_and_trailing_bytes_to_
         b"\x91" * 40 + b"\x00",  # nested deeper than the decoder goes
     ):
         assert native.unpack(data) is NotImplemented
+
+
+def _configured():
+    return codec._native()  # decode needs numpy's functions, which codec.py hands the module once
+
+
+def _with_sample_info(frame, info: bytes) -> bytes:
+    """``frame`` with its sample info replaced by ``info`` (appended after the other arrays)."""
+    header, body = _split(frame)
+    body += bytes(-len(body) % 8)
+    header["arrays"]["sample_info"] = ["|u1", len(info), len(body)]
+    return _frame_of(header, body + info)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(groups())
+def test_inspecting_and_decoding_in_one_call_equal_the_python_code(group):
+    try:
+        frame = bytes(encode_group(group, native=False))
+    except Exception:
+        return
+    native_path = _configured()
+    summary = native_path.inspect(memoryview(frame))
+    try:
+        expected = decode_group(frame, native=False)
+    except ProtocolError:  # the Python path raises the error: the C code leaves the frame to it
+        assert native_path.decode(memoryview(frame), Sample, Group) is None
+        if summary is not None:  # only the per-sample info is wrong, which the broker does not read
+            assert GroupInfo(*summary) == inspect_group(frame, native=False)
+        return
+    assert summary is not None and GroupInfo(*summary) == inspect_group(frame, native=False)
+    got = native_path.decode(memoryview(frame), Sample, Group)
+    assert got is not None  # every frame the encoder writes takes the one-call paths
+    _samples_equal(got, expected)
+    assert type(got) is Group and all(type(s) is Sample for s in got.samples)
+    for s in got.samples:
+        assert not s.response_ids.flags.writeable  # views of the (read-only) frame, as the Python path's
+
+
+def test_sample_info_in_another_form_is_left_to_the_python_path():
+    frame = bytes(encode_group(Group("g", [_plain_sample(), _plain_sample()]), native=False))
+    # finish reasons as one string of n characters: msgpack [finish_reasons, metas] the Python path reads
+    odd = _with_sample_info(frame, msgpack.packb(["sl", [{}, {"k": 1}]]))
+    assert _configured().decode(memoryview(odd), Sample, Group) is None
+    got, expected = decode_group(odd), decode_group(odd, native=False)
+    _samples_equal(got, expected)
+    assert [s.finish_reason for s in got.samples] == ["s", "l"]
+    for info in (msgpack.packb([["stop"], [{}, {}]]), msgpack.packb({"a": 1}), b"\xc1"):
+        bad = _with_sample_info(frame, info)
+        assert _configured().decode(memoryview(bad), Sample, Group) is None
+        with pytest.raises(ProtocolError) as c_path:
+            decode_group(bad)
+        with pytest.raises(ProtocolError) as py_path:
+            decode_group(bad, native=False)
+        assert str(c_path.value) == str(py_path.value)
+
+
+def _plain_sample() -> Sample:
+    return Sample(
+        prompt_ids=np.arange(3, dtype=np.int32),
+        response_ids=np.arange(4, dtype=np.int32),
+        logprobs=np.zeros(4, np.float32),
+        versions=np.ones(4, np.int32),
+        reward=1.0,
+        finish_reason="stop",
+    )
