@@ -315,13 +315,6 @@ def decode_group(frame: Any, *, native: bool = True) -> Group:
     logprobs, versions = column("logprobs"), column("versions")
     mask = column("loss_mask") if "loss_mask" in f.specs else None
     group_meta = f.meta if isinstance(f.meta, dict) else {}
-    if module is not None and type(finish_reasons) is list and type(metas) is list:
-        # Sample objects made as dataclass instances with their fields set (Sample has no __post_init__)
-        samples = module.samples(
-            Sample, prompt_ids, response_ids, logprobs, versions, mask, f.prompt_lens, f.response_lens,
-            rewards, finish_reasons, metas,
-        )  # fmt: skip
-        return Group(group_id=f.gid, samples=samples, meta=group_meta)
     p_ends = list(accumulate(f.prompt_lens))
     r_ends = list(accumulate(f.response_lens))
     samples = []

@@ -9,8 +9,6 @@
    encode(group, alloc)            -> uint8 array (the frame), or None
    layout(buf, data_start, n, arrays, want_versions)
                                    -> (specs, prompt_lens, response_lens, rewards, vmin, vmax), or None
-   samples(cls, columns, prompt_lens, response_lens, rewards, finish_reasons, metas)
-                                   -> [Sample, ...] (views of the columns, no copies)
    inspect(buffer)                 -> inspect_group's summary (GroupInfo's fields), or None
    decode(buffer, Sample, Group)   -> decode_group's Group (layout, the sample info, column views,
                                       samples), or None
@@ -47,8 +45,7 @@ static PyObject *name_objs[NUM_KNOWN]; /* interned names */
 static PyObject *known_index;          /* {name: index} */
 static PyObject *dtype_objs;           /* {"<i4": np.dtype("<i4"), ...}: the allowed dtypes */
 static PyObject *np_empty, *np_uint8, *np_frombuffer, *packb;
-static PyObject *s_samples, *s_group_id, *s_meta, *s_reward, *s_finish_reason, *s_id, *s_n, *s_arrays, *s_view,
-    *s_itemsize;
+static PyObject *s_samples, *s_group_id, *s_meta, *s_reward, *s_finish_reason, *s_id, *s_n, *s_arrays, *s_view;
 
 /* ---- dtypes ---- */
 
@@ -322,6 +319,7 @@ typedef struct {
     int present;
     PyObject *dtype; /* borrowed from dtype_objs */
     long long count, begin;
+    int itemsize;
 } Spec;
 
 static int as_count(PyObject *o, long long *out) {
@@ -484,7 +482,7 @@ static PyObject *layout_of(const char *buf, long long size, Py_ssize_t data_star
         if (!ds) goto reject;
         long long begin = data_start + offset;
         if (offset > size || count > size || begin + count * size_of(ds) > size) goto reject;
-        spec[a] = (Spec){1, dtype, count, begin};
+        spec[a] = (Spec){1, dtype, count, begin, size_of(ds)};
         dtype_str[a] = ds;
         PyObject *entry = Py_BuildValue("(OLL)", dtype, count, begin);
         if (!entry || PyDict_SetItem(specs, key, entry) < 0) { Py_XDECREF(entry); goto fail; }
@@ -610,17 +608,6 @@ fail:
     Py_XDECREF(empty);
     Py_XDECREF(out);
     return NULL;
-}
-
-static PyObject *samples(PyObject *self, PyObject *args) {
-    PyObject *cls, *prompt_ids, *response_ids, *logprobs, *versions, *mask, *plens, *rlens, *rewards;
-    PyObject *reasons, *metas;
-    if (!PyArg_ParseTuple(args, "O!OOOOOO!O!O!O!O!", &PyType_Type, &cls, &prompt_ids, &response_ids,
-                          &logprobs, &versions, &mask, &PyTuple_Type, &plens, &PyTuple_Type, &rlens,
-                          &PyTuple_Type, &rewards, &PyList_Type, &reasons, &PyList_Type, &metas))
-        return NULL;
-    return samples_of(cls, prompt_ids, response_ids, logprobs, versions, mask, plens, rlens, rewards, reasons,
-                      metas);
 }
 
 /* ---- crc32_combine: the CRC-32 of two byte strings joined, from the CRC of each ---- */
@@ -1029,11 +1016,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     for (int c = 0; c < NUM_COLUMNS; c++) {
         Spec *sp = &spec[FIRST_COLUMN + c];
         if (!sp->present) continue; /* only the loss mask may be absent (layout checked the others) */
-        PyObject *itemsize = PyObject_GetAttr(sp->dtype, s_itemsize);
-        long long size_of_item = itemsize ? PyLong_AsLongLong(itemsize) : -1;
-        Py_XDECREF(itemsize);
-        if (size_of_item < 0) goto fail;
-        cols[c] = column_view(u8, sp->begin, sp->count * size_of_item, sp->dtype);
+        cols[c] = column_view(u8, sp->begin, sp->count * sp->itemsize, sp->dtype);
         if (!cols[c]) goto fail;
     }
     samples_list = samples_of(sample_cls, cols[0], cols[1], cols[2], cols[3], cols[4] ? cols[4] : Py_None,
@@ -1104,9 +1087,6 @@ static PyMethodDef methods[] = {
     {"layout", layout, METH_VARARGS,
      "layout(buf, data_start, n, arrays, want_versions) -> (specs, prompt_lens, response_lens, rewards, "
      "vmin, vmax), or None where a rule fails"},
-    {"samples", samples, METH_VARARGS,
-     "samples(cls, prompt_ids, response_ids, logprobs, versions, loss_mask, prompt_lens, response_lens, "
-     "rewards, finish_reasons, metas) -> list of cls"},
     {"use_avx2", use_avx2, METH_O,
      "use_avx2(flag) -> whether the versions' range is now scanned with AVX2 (only where the CPU has it; "
      "False: the SSE2 loop, for tests)"},
@@ -1148,9 +1128,8 @@ PyMODINIT_FUNC PyInit_tidal_codec_native(void) {
     s_n = PyUnicode_InternFromString("n");
     s_arrays = PyUnicode_InternFromString("arrays");
     s_view = PyUnicode_InternFromString("view");
-    s_itemsize = PyUnicode_InternFromString("itemsize");
     if (!s_samples || !s_group_id || !s_meta || !s_reward || !s_finish_reason || !s_id || !s_n || !s_arrays ||
-        !s_view || !s_itemsize)
+        !s_view)
         return NULL;
     return m;
 }
