@@ -268,20 +268,26 @@ static PyObject *encode(PyObject *self, PyObject *args) {
     }
     memset(p, 0, (size_t)(start - (p - frame)));
     char *data = frame + start;
-    memset(data, 0, (size_t)off); /* the padding: no stray memory on the wire */
+    /* each part, then zeros up to the next (the padding: no stray memory on the wire) */
     memcpy(data + offsets[0], rewards, (size_t)n * 8);
     memcpy(data + offsets[1], lens, (size_t)n * 4);
+    memset(data + offsets[1] + 4 * n, 0, (size_t)(offsets[2] - offsets[1] - 4 * n));
     memcpy(data + offsets[2], lens + n, (size_t)n * 4);
+    memset(data + offsets[2] + 4 * n, 0, (size_t)(offsets[3] - offsets[2] - 4 * n));
     memcpy(data + offsets[3], PyBytes_AS_STRING(info), (size_t)info_len);
+    char *end = data + offsets[3] + info_len;
     for (int c = 0; c < NUM_COLUMNS; c++) {
         if (!cols[c].present) continue;
         char *at = data + cols[c].offset;
+        memset(end, 0, (size_t)(at - end));
         for (Py_ssize_t i = 0; i < n; i++) {
             const Py_buffer *v = &views[i * NUM_COLUMNS + c];
             memcpy(at, v->buf, (size_t)v->len);
             at += v->len;
         }
+        end = at;
     }
+    memset(end, 0, (size_t)(data + off - end));
     result = out;
     out = NULL;
     goto done;

@@ -210,6 +210,7 @@ class SubmitRing:
         self._tail = np.frombuffer(self.mm, np.int64, count=1, offset=TAIL_AT)
         self.head = 0
         self.peak = 0  # the most bytes this node has had in the ring at once (allocated, not let go)
+        self._skipped = (0, 0)  # positions [from, to) the last jump to a lap's start left unused
         self.full = 0  # allocations refused for want of room (those submits went on the wire)
 
     def alloc(self, nbytes: int) -> tuple[int, np.ndarray] | None:
@@ -222,15 +223,20 @@ class SubmitRing:
         (a few MiB per node at 1K-token samples) instead of all of it. The rule uses the peak, not the
         bytes in flight at the moment of the jump: those dip whenever the oldest group is let go, and a
         jump taken in a dip left too little room once they grew back (with 8 leases in flight, half the
-        submits of a 1K-token benchmark run found the ring full and went over the wire)."""
+        submits of a 1K-token benchmark run found the ring full and went over the wire). Nor does the
+        peak count the room a jump skipped at the end of a lap: counting it made the peak almost the whole
+        ring after the first jump, and the node walked every page of it on every lap."""
         size = _align(nbytes)
         start = self.head
         offset = start % self.capacity
         tail = int(self._tail[0])
         lap = start - offset
-        self.peak = max(self.peak, start + size - tail)
+        # the room skipped at the end of the last lap is not in flight, though it lies between tail and head
+        skipped = max(0, self._skipped[1] - max(tail, self._skipped[0]))
+        self.peak = max(self.peak, start + size - tail - skipped)
         # never wrap inside a span; and skip to the next lap once its free start is large enough
         if offset and (offset + size > self.capacity or tail - lap >= 2 * self.peak + size):
+            self._skipped = (start, start + self.capacity - offset)
             start += self.capacity - offset
             offset = 0
         if start + size > tail + self.capacity:

@@ -72,6 +72,23 @@ def test_the_node_goes_back_to_the_start_once_the_room_there_is_twice_its_peak_i
     assert ring.full == 0
 
 
+def test_the_node_keeps_cycling_through_a_few_times_its_peak_lap_after_lap():
+    # The room a jump skips at a lap's end is not in flight: were it counted, the peak would be almost
+    # the whole ring after the first jump and the node would walk all of it on every later lap.
+    arena, ring = _pair(1 << 20)
+    held: list = []
+    for _ in range(3):
+        _take(arena, ring, held)
+    laps = set()
+    for _ in range(200):
+        del held[0]
+        start = _take(arena, ring, held)
+        laps.add(start // (1 << 20))
+        assert start % (1 << 20) < 10 * 1024  # the free start (2 x 3 KiB + the span) and what follows
+    assert ring.peak == 3 * 1024
+    assert len(laps) > 10 and ring.full == 0
+
+
 def test_a_dip_in_what_is_in_flight_does_not_send_the_node_back_too_early():
     # Eight spans in flight, then all but the last let go (a dip), then eight again: a jump back to the
     # ring's start during the dip would find 7 KiB of room there for 8 KiB and send a submit on the wire.
