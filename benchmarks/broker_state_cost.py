@@ -5,8 +5,9 @@ At 1K-token samples the broker path is bound by per-group CPU spread over many s
 four processes on two cores, whose noise (+-10% between rounds) hides a step worth a few percent. This
 script times the broker's own per-group work alone, on the main thread, as its event loop does it:
 
-- ``tidal``: a ``BrokerState`` on a real journal (the broker's default journal settings: O_DIRECT, each
-  commit written by the committing thread; ``--journal-writer thread`` for the writer thread) serving one
+- ``tidal``: a ``BrokerState`` on a real journal (the broker's default journal settings: O_DIRECT, the
+  writer thread taking commits over ``inline_bytes``; ``--journal-writer loop`` for every commit on the
+  committing thread) serving one
   rollout node and a trainer: lease a window of groups (``lease`` and the pushed lease's wire form, as
   ``BrokerServer._push_leases`` sends it), submit them ``--per-lease`` groups at a time with a commit after each (one event-loop wake-up each),
   then cut the window's batches with the refs a local trainer copies them by (``memory_refs``), publish a
