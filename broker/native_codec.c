@@ -106,6 +106,14 @@ static char *put_str(char *p, const char *s, size_t len) {
 
 static Py_ssize_t pad8(Py_ssize_t n) { return (8 - n % 8) % 8; }
 
+/* Zero the padding from end to at (no stray memory on the wire), copy len bytes there; returns their end.
+   Only the gaps are zeroed: a frame's memory may hold other bytes (a ring's span, a reused buffer). */
+static char *put_part(char *end, char *at, const void *src, size_t len) {
+    memset(end, 0, (size_t)(at - end));
+    if (len) memcpy(at, src, len);
+    return at + len;
+}
+
 typedef struct {
     int present;
     const char *dtype;
@@ -268,26 +276,20 @@ static PyObject *encode(PyObject *self, PyObject *args) {
     }
     memset(p, 0, (size_t)(start - (p - frame)));
     char *data = frame + start;
-    /* each part, then zeros up to the next (the padding: no stray memory on the wire) */
-    memcpy(data + offsets[0], rewards, (size_t)n * 8);
-    memcpy(data + offsets[1], lens, (size_t)n * 4);
-    memset(data + offsets[1] + 4 * n, 0, (size_t)(offsets[2] - offsets[1] - 4 * n));
-    memcpy(data + offsets[2], lens + n, (size_t)n * 4);
-    memset(data + offsets[2] + 4 * n, 0, (size_t)(offsets[3] - offsets[2] - 4 * n));
-    memcpy(data + offsets[3], PyBytes_AS_STRING(info), (size_t)info_len);
-    char *end = data + offsets[3] + info_len;
+    char *end = data;
+    end = put_part(end, data + offsets[0], rewards, (size_t)n * 8);
+    end = put_part(end, data + offsets[1], lens, (size_t)n * 4);
+    end = put_part(end, data + offsets[2], lens + n, (size_t)n * 4);
+    end = put_part(end, data + offsets[3], PyBytes_AS_STRING(info), (size_t)info_len);
     for (int c = 0; c < NUM_COLUMNS; c++) {
         if (!cols[c].present) continue;
-        char *at = data + cols[c].offset;
-        memset(end, 0, (size_t)(at - end));
+        end = put_part(end, data + cols[c].offset, NULL, 0);
         for (Py_ssize_t i = 0; i < n; i++) {
             const Py_buffer *v = &views[i * NUM_COLUMNS + c];
-            memcpy(at, v->buf, (size_t)v->len);
-            at += v->len;
+            end = put_part(end, end, v->buf, (size_t)v->len);
         }
-        end = at;
     }
-    memset(end, 0, (size_t)(data + off - end));
+    put_part(end, data + off, NULL, 0);
     result = out;
     out = NULL;
     goto done;
