@@ -7,13 +7,14 @@ Ray workers import this module by name: ``broker_throughput.py`` starts Ray with
 from __future__ import annotations
 
 import multiprocessing as mp
+import sys
 import time
 from pathlib import Path
 
 import msgpack
 import numpy as np
 import zmq
-from proc_stats import HostWindow
+from proc_stats import HostWindow, SchedWindow, sched_totals
 
 PRODUCERS = 2
 BATCH_WAIT_S = 120.0  # a consumer that gets no batch this long gives up (a producer died)
@@ -53,12 +54,15 @@ def _zmq_producer(address: str, tokens: int, n: int, go, cpu) -> None:
     sock.connect(address)
     arrays = sample_arrays(tokens)
     go.wait()
-    c0 = time.process_time()
+    c0, sched = time.process_time(), SchedWindow()
     for _ in range(n):
         sock.send(raw_frame(arrays), copy=False)
     sock.close(linger=-1)
+    # ctx.term() waits while ZeroMQ's I/O thread sends what is queued, then ends that thread and its
+    # record in /proc: the shares are read before it (they miss that last stretch)
+    threads = sched.result()
     ctx.term()
-    cpu.put(time.process_time() - c0)
+    cpu.put((time.process_time() - c0, sched_totals(threads)))
 
 
 def run_zmq(tokens: int, n: int, workdir: Path) -> tuple[float, int, dict[str, float], dict[str, float]]:
@@ -76,19 +80,35 @@ def run_zmq(tokens: int, n: int, workdir: Path) -> tuple[float, int, dict[str, f
     time.sleep(0.5)
     window = HostWindow(workdir)
     go.set()
-    t0, c0 = time.perf_counter(), time.process_time()
+    t0, c0, sched = time.perf_counter(), time.process_time(), SchedWindow()
     got = n // PRODUCERS * PRODUCERS
     for _ in range(got):
         frame = pull.recv(copy=False)
         msgpack.unpackb(frame.buffer)
     elapsed, consumer = time.perf_counter() - t0, time.process_time() - c0
     window.stop()
-    producers = sum(cpu.get() for _ in procs)
+    consumer_sched = sched_totals(sched.result())
+    reports = [cpu.get() for _ in procs]
+    producers = sum(r[0] for r in reports)
     for p in procs:
         p.join()
     pull.close(0)
     ctx.term()
-    return elapsed, got, {"producers": producers, "consumer": consumer}, window.result(producers + consumer)
+    scheduling = {
+        "producer": {
+            key: round(sum(r[1][key] for r in reports) / len(reports), 3)
+            for key in ("running", "waiting_for_cpu")
+        },
+        "consumer": consumer_sched,
+    }
+    print(
+        "    share of the run's wall time running / waiting for a CPU while runnable: "
+        + ", ".join(f"{k} {v['running']:.0%} / {v['waiting_for_cpu']:.0%}" for k, v in scheduling.items()),
+        file=sys.stderr,
+    )
+    host = window.result(producers + consumer)
+    host["scheduling"] = scheduling
+    return elapsed, got, {"producers": producers, "consumer": consumer}, host
 
 
 # ------------------------------------------------------------------------------------------------ ray

@@ -29,7 +29,14 @@ from tidal.procs import free_port, stop, tail
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from broker_baselines import BATCH_WAIT_S, META, PRODUCERS, sample_arrays  # noqa: E402
-from proc_stats import HostWindow, cpu_seconds, status_kib, thread_cpu_seconds  # noqa: E402
+from proc_stats import (  # noqa: E402
+    HostWindow,
+    SchedWindow,
+    cpu_seconds,
+    sched_totals,
+    status_kib,
+    thread_cpu_seconds,
+)
 
 
 def _group(group_id: str, arrays: dict[str, np.ndarray], group_size: int) -> Group:
@@ -110,16 +117,26 @@ def _broker_producer(
         await client.register("rollout", "bench")
         go.wait()
         c0, t0 = time.process_time(), time.perf_counter()
+        sched = SchedWindow()
         if request_leases:
             # several submissions in flight per producer, as a node agent with several engines has
             shares = [groups // in_flight + (i < groups % in_flight) for i in range(in_flight)]
             await asyncio.gather(*(loop(client, share) for share in shares))
         else:
             await streamed(client, groups)
+        threads = sched.result()  # before the close, which may end ZeroMQ's I/O thread (and its record)
         await client.close()
         loops = in_flight if request_leases else 1  # the waits of concurrent loops add up
         busy = (time.perf_counter() - t0) * loops
-        cpu.put((time.process_time() - c0, client.span_submits, client.wire_submits, waited[0] / busy))
+        cpu.put(
+            (
+                time.process_time() - c0,
+                client.span_submits,
+                client.wire_submits,
+                waited[0] / busy,
+                sched_totals(threads),
+            )
+        )
 
     uvloop.run(main())  # as `tidal rollout` runs its node agent (rollout/main.py)
 
@@ -220,6 +237,7 @@ def run_broker(
             broker0 = cpu_seconds(proc.pid)
             threads0 = thread_cpu_seconds(proc.pid)
             window = HostWindow(run_dir)
+            broker_sched, consumer_sched = SchedWindow(proc.pid), SchedWindow()
             go.set()
             t0, c0 = time.perf_counter(), time.process_time()
             groups_left = per_producer * PRODUCERS
@@ -248,6 +266,7 @@ def run_broker(
                 trainer.report_consumed(batch.batch_id, wait=wait)
             elapsed, consumer = time.perf_counter() - t0, time.process_time() - c0
             window.stop()
+            broker_threads_sched, consumer_threads_sched = broker_sched.result(), consumer_sched.result()
             broker = cpu_seconds(proc.pid) - broker0
             threads = thread_cpu_seconds(proc.pid)
             # By thread: ZeroMQ's I/O thread (receiving group frames), the event loop ("python"), the
@@ -275,12 +294,29 @@ def run_broker(
             f" batches {batch_wait_share:.0%} of its own",
             file=sys.stderr,
         )
+        # Each process's threads summed (a producer's: the mean of the two); the broker's event loop is
+        # its thread "python". Shares of the run's wall time, so a process's threads may add up past 1.
+        sched = {
+            "broker_loop": broker_threads_sched.get("python", {"running": 0.0, "waiting_for_cpu": 0.0}),
+            "broker": sched_totals(broker_threads_sched),
+            "producer": {
+                key: round(sum(r[4][key] for r in reports) / len(reports), 3)
+                for key in ("running", "waiting_for_cpu")
+            },
+            "consumer": sched_totals(consumer_threads_sched),
+        }
+        print(
+            "    share of the run's wall time running / waiting for a CPU while runnable: "
+            + ", ".join(f"{k} {v['running']:.0%} / {v['waiting_for_cpu']:.0%}" for k, v in sched.items()),
+            file=sys.stderr,
+        )
         for p in procs:
             p.join()
         cpu_s = {"producers": producers, "broker": broker, "consumer": consumer}
         host = window.result(sum(cpu_s.values()))
         host["producers_waiting_for_leases"] = round(lease_wait, 3)
         host["consumer_waiting_for_batches"] = round(batch_wait_share, 3)
+        host["scheduling"] = sched
         return elapsed, received, cpu_s, host
     finally:
         for p in procs:

@@ -24,7 +24,9 @@ is other work) and the journal device's read and write MB/s (a broker run bound 
 idle cores of its own and the disk's bandwidth in use), and the share of their time the producers waited
 for leases and the consumer for batches (both high with idle cores: the run is bound by the latency of the
 cycle the staleness bound closes, batch -> trainer version -> leases -> groups -> batch; with every core
-busy a process also waits while the others run). Ray is optional (``make bench-deps``); without it those columns are skipped. Temporary
+busy a process also waits while the others run), and for every method the share of the run's wall time each
+process (a producer, the consumer, the broker and its event loop) ran and waited runnable for a CPU (the
+scheduler's own clocks; high waits with cores idle: the processes are runnable in bursts). Ray is optional (``make bench-deps``); without it those columns are skipped. Temporary
 folders (the journals: GBs at 32K tokens) are removed also when a run fails.
 
     .venv/bin/python benchmarks/broker_throughput.py --out runs/bench/broker_throughput.json

@@ -1,5 +1,6 @@
-"""What the benchmarks read from /proc (Linux): a process's CPU seconds, per thread, and memory; the whole
-host's busy cores and a block device's bytes read and written over a run (:class:`HostWindow`)."""
+"""What the benchmarks read from /proc (Linux): a process's CPU seconds, per thread, and memory; how long
+its threads ran and waited for a CPU (:class:`SchedWindow`); the whole host's busy cores and a block
+device's bytes read and written over a run (:class:`HostWindow`)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,52 @@ def thread_cpu_seconds(pid: int | str = "self") -> dict[str, float]:
             continue
         out[name] = out.get(name, 0.0) + seconds
     return out
+
+
+def thread_sched_seconds(pid: int | str = "self") -> dict[str, tuple[float, float]]:
+    """Of each thread of a running process, summed by thread name: (seconds it ran on a CPU, seconds it
+    waited runnable in a run queue) so far (``/proc/<pid>/task/<tid>/schedstat``, the scheduler's own
+    nanosecond clocks; empty where the kernel keeps none)."""
+    out: dict[str, tuple[float, float]] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            ran_ns, waited_ns = (task / "schedstat").read_text().split()[:2]
+        except (OSError, ValueError):  # the thread ended meanwhile; or no schedstat in this kernel
+            continue
+        ran, waited = out.get(name, (0.0, 0.0))
+        out[name] = (ran + int(ran_ns) / 1e9, waited + int(waited_ns) / 1e9)
+    return out
+
+
+class SchedWindow:
+    """How a process's threads spent one run: the share of its wall time each ran and each waited runnable
+    for a CPU. Waits with cores left idle mean the processes were runnable in bursts (all at once, then
+    all waiting on one of them), not that there were too few cores throughout."""
+
+    def __init__(self, pid: int | str = "self"):
+        self.pid = pid
+        self.start, self.t0 = thread_sched_seconds(pid), time.perf_counter()
+
+    def result(self) -> dict[str, dict[str, float]]:
+        """{thread name: {"running": share, "waiting_for_cpu": share}} since this window opened, for the
+        threads that ran at all; call it while the process is still running (a thread that ended is gone
+        from /proc, and its time with it)."""
+        end, elapsed = thread_sched_seconds(self.pid), time.perf_counter() - self.t0
+        out = {}
+        for name, (ran, waited) in end.items():
+            ran0, waited0 = self.start.get(name, (0.0, 0.0))
+            if ran > ran0:
+                out[name] = {
+                    "running": round((ran - ran0) / elapsed, 3),
+                    "waiting_for_cpu": round((waited - waited0) / elapsed, 3),
+                }
+        return out
+
+
+def sched_totals(threads: dict[str, dict[str, float]]) -> dict[str, float]:
+    """A :meth:`SchedWindow.result` summed over all the threads (shares of one thread's wall time)."""
+    return {key: round(sum(t[key] for t in threads.values()), 3) for key in ("running", "waiting_for_cpu")}
 
 
 def status_kib(key: str, pid: int | str = "self") -> int:

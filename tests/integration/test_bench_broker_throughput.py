@@ -1,0 +1,41 @@
+"""benchmarks/broker_throughput.py's two local methods, briefly: tidal's broker path (a real broker process,
+two producer processes, the trainer's feed) and raw pyzmq each deliver every sample and report their CPU
+and how their processes were scheduled. Never the speed."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+from broker_baselines import PRODUCERS, run_zmq  # noqa: E402
+from broker_method import BrokerOptions, run_broker  # noqa: E402
+
+SCHED_KEYS = {"running", "waiting_for_cpu"}
+
+
+def _shares_are_sane(scheduling: dict, processes: set[str]) -> None:
+    assert set(scheduling) == processes
+    for shares in scheduling.values():
+        assert set(shares) == SCHED_KEYS
+        assert all(v >= 0 for v in shares.values())
+    # every process ran some of the time (the consumer's and producers' threads summed)
+    assert all(s["running"] > 0 for s in scheduling.values())
+
+
+def test_the_broker_method_delivers_every_sample_and_reports_its_scheduling(tmp_path):
+    group_size, groups_per_producer = 4, 16
+    n = group_size * groups_per_producer * PRODUCERS
+    opts = BrokerOptions(group_size=group_size, per_lease=2, in_flight=2, batch_groups=4)
+    elapsed, received, cpu, host = run_broker(64, n, tmp_path, opts)
+    assert received == n and elapsed > 0
+    assert set(cpu) == {"producers", "broker", "consumer"} and all(v > 0 for v in cpu.values())
+    _shares_are_sane(host["scheduling"], {"broker_loop", "broker", "producer", "consumer"})
+    # the loop is one of the broker's threads
+    assert host["scheduling"]["broker_loop"]["running"] <= host["scheduling"]["broker"]["running"]
+    assert 0 <= host["producers_waiting_for_leases"] <= 1
+
+
+def test_raw_pyzmq_delivers_every_sample_and_reports_its_scheduling(tmp_path):
+    elapsed, received, cpu, host = run_zmq(64, 512, tmp_path)
+    assert received == 512 and elapsed > 0
+    assert set(cpu) == {"producers", "consumer"}
+    _shares_are_sane(host["scheduling"], {"producer", "consumer"})

@@ -1,0 +1,53 @@
+"""benchmarks/proc_stats.py's scheduler shares: a thread that spins shows as running for about its share of
+the window, under its own name, and a process's threads sum as the benchmark reports them."""
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+from proc_stats import SchedWindow, sched_totals, thread_sched_seconds  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not Path("/proc/self/task").exists(), reason="reads Linux's /proc (the benchmarks run on Linux only)"
+)
+
+
+def _spin(seconds: float, done: threading.Event) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+    done.wait()  # a thread that ended is gone from /proc: it stays until the window is read
+
+
+def test_a_spinning_thread_runs_for_most_of_the_window_under_its_own_name():
+    if not thread_sched_seconds():
+        pytest.skip("this kernel keeps no /proc/<pid>/task/<tid>/schedstat (CONFIG_SCHED_INFO off)")
+    window = SchedWindow()
+    done = threading.Event()
+    spinner = threading.Thread(target=_spin, args=(0.3, done), name="spinner")
+    spinner.start()
+    # Linux names threads after the process until told otherwise; the benchmark's threads (ZeroMQ's,
+    # the journal's) name themselves, as this one does through /proc
+    Path(f"/proc/self/task/{spinner.native_id}/comm").write_text("spinner")
+    time.sleep(0.4)
+    shares = window.result()
+    done.set()
+    spinner.join()
+    assert "spinner" in shares
+    spun = shares["spinner"]
+    # it spun ~0.3 s of a window a little longer; it may have waited for a CPU part of the time
+    assert 0.3 <= spun["running"] + spun["waiting_for_cpu"] <= 1.05
+    assert spun["running"] > 0.2 and spun["waiting_for_cpu"] >= 0.0
+    totals = sched_totals(shares)
+    assert totals["running"] >= spun["running"]
+    assert set(totals) == {"running", "waiting_for_cpu"}
+
+
+def test_threads_that_did_not_run_in_the_window_are_left_out():
+    window = SchedWindow()
+    shares = window.result()  # nothing ran but this thread, briefly
+    assert all(v["running"] > 0 for v in shares.values())
