@@ -247,11 +247,14 @@ class AsyncBrokerClient:
 
     async def next_lease(self, timeout: float | None = None) -> Lease | None:
         """The next pushed lease; None on timeout or when the data is exhausted (``leases_finished``)."""
-        try:
-            async with asyncio.timeout(timeout):
-                lease = await self._pushed.get()
-        except TimeoutError:
-            return None
+        if not self._pushed.empty():  # one is waiting: no timeout scope to set up and tear down
+            lease = self._pushed.get_nowait()
+        else:
+            try:
+                async with asyncio.timeout(timeout):
+                    lease = await self._pushed.get()
+            except TimeoutError:
+                return None
         if lease is None:
             self.leases_finished = True
         return lease
@@ -291,7 +294,7 @@ class AsyncBrokerClient:
                         "submit", body, (), self.timeout_s, [g.group_id for g in groups]
                     )
                     self.span_submits += 1
-                    return asyncio.ensure_future(self._submitted(rid, fut, [], 0))
+                    return self._span_submitted(rid, fut)
         self.wire_submits += 1
         frames = [encode_group(g, self._buffers.take) for g in groups]
         nbytes = sum(len(f) for f in frames)
@@ -303,6 +306,57 @@ class AsyncBrokerClient:
             await self._release_window(nbytes)  # a timed-out send may still go: its frames are not reused
             raise
         return asyncio.ensure_future(self._submitted(rid, fut, frames, nbytes))
+
+    def _span_submitted(self, rid: int, fut: asyncio.Future) -> asyncio.Future:
+        """What :meth:`_submitted` does for a submit through the ring (no frames to reuse, no window to
+        release), with callbacks instead of a task and a timeout scope: per submit these cost a rollout
+        node more than the rest of its submit but the encoding (docs/BENCHMARKS.md, session 35)."""
+        loop = asyncio.get_running_loop()
+        out = loop.create_future()
+        timer = loop.call_later(self.timeout_s, self._span_submit_timed_out, rid, out)
+
+        def replied(reply: asyncio.Future) -> None:
+            timer.cancel()
+            self._pending.pop(rid, None)
+            self._submits.forget(rid)
+            if out.done():  # timed out or cancelled first
+                return
+            if reply.cancelled():
+                out.cancel()
+                return
+            if reply.exception() is not None:
+                out.set_exception(reply.exception())
+                return
+            rtype, rbody, _ = reply.result()
+            try:
+                raise_for_reply(rtype, rbody, "submit")
+            except BrokerError as exc:
+                if exc.code == proto.NO_SUBMIT_MEMORY:
+                    self._drop_ring()  # the broker closed it (this node timed out): its leases went back
+                    out.set_exception(LeaseRejected(str(exc)))
+                else:
+                    out.set_exception(exc)
+                return
+            except LeaseRejected as exc:
+                out.set_exception(exc)
+                return
+            out.set_result(rbody)
+
+        def abandoned(result: asyncio.Future) -> None:
+            if result.cancelled():  # the caller gave up on it: stop waiting for the acknowledgement
+                timer.cancel()
+                self._pending.pop(rid, None)
+                self._submits.forget(rid)
+
+        fut.add_done_callback(replied)
+        out.add_done_callback(abandoned)
+        return out
+
+    def _span_submit_timed_out(self, rid: int, out: asyncio.Future) -> None:
+        self._pending.pop(rid, None)
+        self._submits.forget(rid)
+        if not out.done():
+            out.set_exception(BrokerTimeout(timeout_message("submit", self.address, self.timeout_s)))
 
     async def _submitted(self, rid: int, fut: asyncio.Future, frames: list, nbytes: int) -> dict:
         try:
