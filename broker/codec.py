@@ -89,15 +89,21 @@ def _native() -> Any:
 
 
 def encode_group(
-    group: Group, alloc: Callable[[int], np.ndarray] | None = None, *, native: bool = True
+    group: Group,
+    alloc: Callable[[int], np.ndarray] | None = None,
+    *,
+    native: bool = True,
+    streaming: bool = False,
 ) -> np.ndarray:
     """One frame (a uint8 array) holding the whole group; each array is copied once, into the frame.
 
     ``alloc(nbytes)`` may supply the memory (a uint8 array of at least ``nbytes``), e.g. a reused buffer.
-    ``native=False`` runs the Python code alone (the reference the C code must equal)."""
+    ``streaming``: the frame is for other processes and this one will not read it again (a submit ring's
+    span): the C code copies its arrays with non-temporal stores, which do not read the memory first (the
+    same bytes). ``native=False`` runs the Python code alone (the reference the C code must equal)."""
     module = _native() if native else None
     if module is not None:
-        frame = module.encode(group, alloc)
+        frame = module.encode(group, alloc, streaming)
         if frame is not None:
             return frame
     ss = group.samples

@@ -259,7 +259,7 @@ class SubmitRing:
 
         try:
             for g in groups:
-                encode_group(g, alloc)
+                encode_group(g, alloc, streaming=True)  # the node does not read its frames again
         except _RingFull:
             self.head = mark  # nothing was sent: the spans are free again
             return None

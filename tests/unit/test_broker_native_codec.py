@@ -127,6 +127,40 @@ def test_the_c_encoder_zeroes_the_padding_of_memory_it_is_given(group):
     assert bytes(encode_group(group, dirty)) == expected
 
 
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    hs.lists(hs.integers(0, 3000), min_size=1, max_size=4),
+    hs.integers(0, 63),
+    hs.sampled_from(["<i4", "<i2", "|u1"]),
+    hs.booleans(),
+)
+def test_a_streaming_encode_writes_the_same_bytes_at_any_alignment(lengths, shift, dtype, masked):
+    # Streaming copies parts of STREAM_MIN_BYTES (1 KiB) or more with 16-byte non-temporal stores from the
+    # first aligned byte on: every length around 64-byte blocks, every start in memory, dirty or not.
+    rng = np.random.default_rng(sum(lengths) + shift)
+    samples = [
+        Sample(
+            prompt_ids=rng.integers(0, 100, r // 3, dtype=np.int32),
+            response_ids=rng.integers(0, 100, r).astype(dtype),
+            logprobs=rng.standard_normal(r).astype(np.float32),
+            versions=np.full(r, 7, np.int32),
+            reward=1.0,
+            finish_reason="stop",
+            loss_mask=rng.integers(0, 2, r, dtype=np.uint8) if masked else None,
+            meta={"r": r},
+        )
+        for r in lengths
+    ]
+    group = Group(group_id="0:1", samples=samples)
+    expected = bytes(encode_group(group, native=False))
+
+    def dirty(nbytes: int) -> np.ndarray:
+        return np.full(nbytes + 128, 0xAB, np.uint8)[shift : shift + nbytes]
+
+    assert bytes(encode_group(group, dirty, streaming=True)) == expected
+    assert bytes(encode_group(group, streaming=True)) == expected
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(groups())
 def test_the_c_checks_summary_and_samples_equal_the_python_ones(group):
