@@ -16,8 +16,8 @@ script times the broker's own per-group work alone, on the main thread, as its e
   its CRC-32 and write it with a header through the same O_DIRECT writer, once per submit.
 
 Frames are encoded before each window, outside the timed parts (a rollout node's work), into a ring many
-times the size of the CPU's caches, as a node's submit ring is: the broker reads frames another core
-wrote. Each variant runs ``--repeats`` rounds, interleaved; the table shows the median microseconds per
+times the size of the CPU's caches, as a node's submit ring is, and with the node's non-temporal stores:
+the broker reads frames from memory, not from a cache. Each variant runs ``--repeats`` rounds, interleaved; the table shows the median microseconds per
 group, all threads, and of each step on the main thread (CPU time; the journal's threads are shown apart),
 and tidal's ratio to the floor.
 
@@ -76,7 +76,8 @@ class FrameRing:
     def encode(
         self, group_ids: list[str], arrays: dict[str, np.ndarray], group_size: int
     ) -> list[np.ndarray]:
-        return [encode_group(_group(g, arrays, group_size), self.alloc) for g in group_ids]
+        # streaming: as a node encodes into its submit ring (non-temporal stores: the lines go to memory)
+        return [encode_group(_group(g, arrays, group_size), self.alloc, streaming=True) for g in group_ids]
 
 
 class Clock:
