@@ -27,7 +27,10 @@ def test_the_broker_method_delivers_every_sample_and_reports_its_scheduling(tmp_
     opts = BrokerOptions(group_size=group_size, per_lease=2, in_flight=2, batch_groups=4)
     elapsed, received, cpu, host = run_broker(64, n, tmp_path, opts)
     assert received == n and elapsed > 0
-    assert set(cpu) == {"producers", "broker", "consumer"} and all(v > 0 for v in cpu.values())
+    assert set(cpu) == {"producers", "broker", "consumer"}
+    # the clients time themselves (process_time); the broker's CPU comes from /proc in clock ticks (10 ms),
+    # which a run this short may not reach: its scheduler shares below (nanoseconds) show it ran
+    assert cpu["producers"] > 0 and cpu["consumer"] > 0 and cpu["broker"] >= 0
     _shares_are_sane(host["scheduling"], {"broker_loop", "broker", "producer", "consumer"})
     # the loop is one of the broker's threads
     assert host["scheduling"]["broker_loop"]["running"] <= host["scheduling"]["broker"]["running"]
