@@ -14,7 +14,7 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import zmq
-from proc_stats import HostWindow, SchedWindow, sched_totals
+from proc_stats import HostWindow, SchedWindow, sched_line, sched_mean, sched_totals
 
 PRODUCERS = 2
 BATCH_WAIT_S = 120.0  # a consumer that gets no batch this long gives up (a producer died)
@@ -94,18 +94,8 @@ def run_zmq(tokens: int, n: int, workdir: Path) -> tuple[float, int, dict[str, f
         p.join()
     pull.close(0)
     ctx.term()
-    scheduling = {
-        "producer": {
-            key: round(sum(r[1][key] for r in reports) / len(reports), 3)
-            for key in ("running", "waiting_for_cpu")
-        },
-        "consumer": consumer_sched,
-    }
-    print(
-        "    share of the run's wall time running / waiting for a CPU while runnable: "
-        + ", ".join(f"{k} {v['running']:.0%} / {v['waiting_for_cpu']:.0%}" for k, v in scheduling.items()),
-        file=sys.stderr,
-    )
+    scheduling = {"producer": sched_mean([r[1] for r in reports]), "consumer": consumer_sched}
+    print(sched_line(scheduling), file=sys.stderr)
     host = window.result(producers + consumer)
     host["scheduling"] = scheduling
     return elapsed, got, {"producers": producers, "consumer": consumer}, host

@@ -30,9 +30,12 @@ from tidal.procs import free_port, stop, tail
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from broker_baselines import BATCH_WAIT_S, META, PRODUCERS, sample_arrays  # noqa: E402
 from proc_stats import (  # noqa: E402
+    SCHED_KEYS,
     HostWindow,
     SchedWindow,
     cpu_seconds,
+    sched_line,
+    sched_mean,
     sched_totals,
     status_kib,
     thread_cpu_seconds,
@@ -297,19 +300,12 @@ def run_broker(
         # Each process's threads summed (a producer's: the mean of the two); the broker's event loop is
         # its thread "python". Shares of the run's wall time, so a process's threads may add up past 1.
         sched = {
-            "broker_loop": broker_threads_sched.get("python", {"running": 0.0, "waiting_for_cpu": 0.0}),
+            "broker_loop": broker_threads_sched.get("python", dict.fromkeys(SCHED_KEYS, 0.0)),
             "broker": sched_totals(broker_threads_sched),
-            "producer": {
-                key: round(sum(r[4][key] for r in reports) / len(reports), 3)
-                for key in ("running", "waiting_for_cpu")
-            },
+            "producer": sched_mean([r[4] for r in reports]),
             "consumer": sched_totals(consumer_threads_sched),
         }
-        print(
-            "    share of the run's wall time running / waiting for a CPU while runnable: "
-            + ", ".join(f"{k} {v['running']:.0%} / {v['waiting_for_cpu']:.0%}" for k, v in sched.items()),
-            file=sys.stderr,
-        )
+        print(sched_line(sched), file=sys.stderr)
         for p in procs:
             p.join()
         cpu_s = {"producers": producers, "broker": broker, "consumer": consumer}

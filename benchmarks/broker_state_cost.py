@@ -17,9 +17,9 @@ script times the broker's own per-group work alone, on the main thread, as its e
 
 Frames are encoded before each window, outside the timed parts (a rollout node's work), into a ring many
 times the size of the CPU's caches, as a node's submit ring is, and with the node's non-temporal stores:
-the broker reads frames from memory, not from a cache. Each variant runs ``--repeats`` rounds, interleaved; the table shows the median microseconds per
-group, all threads, and of each step on the main thread (CPU time; the journal's threads are shown apart),
-and tidal's ratio to the floor.
+the broker reads frames from memory, not from a cache. Each variant runs ``--repeats`` rounds,
+interleaved; the table shows the median microseconds per group, all threads, and of each step on the main
+thread (CPU time; the journal's threads are shown apart), and tidal's ratio to the floor.
 
     .venv/bin/python benchmarks/broker_state_cost.py --out runs/bench/broker_state_cost.json
 """

@@ -73,9 +73,23 @@ class SchedWindow:
         return out
 
 
+SCHED_KEYS = ("running", "waiting_for_cpu")
+
+
 def sched_totals(threads: dict[str, dict[str, float]]) -> dict[str, float]:
     """A :meth:`SchedWindow.result` summed over all the threads (shares of one thread's wall time)."""
-    return {key: round(sum(t[key] for t in threads.values()), 3) for key in ("running", "waiting_for_cpu")}
+    return {key: round(sum(t[key] for t in threads.values()), 3) for key in SCHED_KEYS}
+
+
+def sched_mean(totals: list[dict[str, float]]) -> dict[str, float]:
+    """The mean of several processes' :func:`sched_totals` (the benchmarks' producers)."""
+    return {key: round(sum(t[key] for t in totals) / len(totals), 3) for key in SCHED_KEYS}
+
+
+def sched_line(processes: dict[str, dict[str, float]]) -> str:
+    """The benchmarks' stderr line for each process's shares."""
+    shown = ", ".join(f"{k} {v['running']:.0%} / {v['waiting_for_cpu']:.0%}" for k, v in processes.items())
+    return f"    share of the run's wall time running / waiting for a CPU while runnable: {shown}"
 
 
 def status_kib(key: str, pid: int | str = "self") -> int:

@@ -178,10 +178,14 @@ class AsyncBrokerClient:
             async with asyncio.timeout(timeout):
                 await self._sock.send_multipart(message, copy=copy)
         except TimeoutError:
-            self._pending.pop(rid, None)
-            self._submits.forget(rid)
+            self._forget(rid)
             raise BrokerTimeout(timeout_message(type_, self.address, timeout)) from None
         return rid, fut
+
+    def _forget(self, rid: int) -> None:
+        """Stop waiting for request ``rid``'s reply (or acknowledgement)."""
+        self._pending.pop(rid, None)
+        self._submits.forget(rid)
 
     async def _reply(
         self, type_: str, rid: int, fut: asyncio.Future, timeout: float
@@ -192,8 +196,7 @@ class AsyncBrokerClient:
         except TimeoutError:
             raise BrokerTimeout(timeout_message(type_, self.address, timeout)) from None
         finally:
-            self._pending.pop(rid, None)
-            self._submits.forget(rid)
+            self._forget(rid)
         raise_for_reply(rtype, rbody, type_)
         return rbody, rframes
 
@@ -317,8 +320,7 @@ class AsyncBrokerClient:
 
         def replied(reply: asyncio.Future) -> None:
             timer.cancel()
-            self._pending.pop(rid, None)
-            self._submits.forget(rid)
+            self._forget(rid)
             if out.done():  # timed out or cancelled first
                 return
             if reply.cancelled():
@@ -330,31 +332,22 @@ class AsyncBrokerClient:
             rtype, rbody, _ = reply.result()
             try:
                 raise_for_reply(rtype, rbody, "submit")
-            except BrokerError as exc:
-                if exc.code == proto.NO_SUBMIT_MEMORY:
-                    self._drop_ring()  # the broker closed it (this node timed out): its leases went back
-                    out.set_exception(LeaseRejected(str(exc)))
-                else:
-                    out.set_exception(exc)
-                return
-            except LeaseRejected as exc:
-                out.set_exception(exc)
+            except (BrokerError, LeaseRejected) as exc:
+                out.set_exception(self._refused(exc))
                 return
             out.set_result(rbody)
 
         def abandoned(result: asyncio.Future) -> None:
             if result.cancelled():  # the caller gave up on it: stop waiting for the acknowledgement
                 timer.cancel()
-                self._pending.pop(rid, None)
-                self._submits.forget(rid)
+                self._forget(rid)
 
         fut.add_done_callback(replied)
         out.add_done_callback(abandoned)
         return out
 
     def _span_submit_timed_out(self, rid: int, out: asyncio.Future) -> None:
-        self._pending.pop(rid, None)
-        self._submits.forget(rid)
+        self._forget(rid)
         if not out.done():
             out.set_exception(BrokerTimeout(timeout_message("submit", self.address, self.timeout_s)))
 
@@ -367,13 +360,21 @@ class AsyncBrokerClient:
         except (BrokerError, LeaseRejected) as exc:
             self._buffers.give(frames)
             await self._release_window(nbytes)
-            if isinstance(exc, BrokerError) and exc.code == proto.NO_SUBMIT_MEMORY:
-                self._drop_ring()  # the broker closed it (this node timed out): its leases went back
-                raise LeaseRejected(str(exc)) from None
-            raise
+            refusal = self._refused(exc)
+            if refusal is exc:
+                raise
+            raise refusal from None
         self._buffers.give(frames)
         await self._release_window(nbytes)
         return body
+
+    def _refused(self, exc: BrokerError | LeaseRejected) -> BrokerError | LeaseRejected:
+        """What a submit the broker refused raises: ``exc``, or LeaseRejected where the broker closed this
+        node's submit memory (it timed out: its leases went back), which is then dropped here too."""
+        if isinstance(exc, BrokerError) and exc.code == proto.NO_SUBMIT_MEMORY:
+            self._drop_ring()
+            return LeaseRejected(str(exc))
+        return exc
 
     async def _acquire_window(self, nbytes: int) -> None:
         async with self._window:
