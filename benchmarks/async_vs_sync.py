@@ -362,6 +362,10 @@ def summarize(label: str, eta: int, cfg: BenchConfig, steps: list[dict], stats: 
         "broker_staleness_histogram": stats.get("staleness_histogram", {}),
         "dropped_stale_groups": stats.get("counters", {}).get("dropped_stale_groups"),
         "mean_response_tokens": response_tokens / sum(s["samples"] for s in steps),
+        # every request the broker handled (nodes' and trainer's), per group trained in the whole run
+        "broker_requests_per_group": stats.get("requests", 0)
+        * cfg.group_size
+        / sum(s["samples"] for s in steps),
         "steps": steps,
     }
 
@@ -438,7 +442,7 @@ def table(results: list[dict], cap: dict[str, Any]) -> str:
     sync = results[0]["samples_per_s"]
     head = (
         f"{'mode':<14}{'samples/s':>10}{'x sync':>8}{'/ ideal':>9}{'step s':>8}{'trainer busy':>14}"
-        f"{'staleness mean/max':>20}{'dropped':>9}{'mean len':>10}"
+        f"{'staleness mean/max':>20}{'dropped':>9}{'mean len':>10}{'requests/group':>16}"
     )
     rows = [head, "-" * len(head)]
     for r in results:
@@ -447,14 +451,15 @@ def table(results: list[dict], cap: dict[str, Any]) -> str:
             f"{r['mode']:<14}{r['samples_per_s']:>10.1f}{r['samples_per_s'] / sync:>8.2f}"
             f"{r['samples_per_s'] / ideal:>9.2f}{r['median_step_s']:>8.3f}{r['trainer_busy']:>13.0%} "
             f"{st['mean']:>13.2f} / {st['max']:<4d}{r['dropped_stale_groups']!s:>9}"
-            f"{r['mean_response_tokens']:>10.1f}"
+            f"{r['mean_response_tokens']:>10.1f}{r['broker_requests_per_group']:>16.1f}"
         )
     rows.append(f"{'ideal bound':<14}{ideal:>10.1f}{ideal / sync:>8.2f}{1.0:>9.2f}{'':>51}{mean_len:>10.1f}")
     if inflight is not None:
         rows.append(f"{'in-flight cap':<14}{inflight:>10.1f}{inflight / sync:>8.2f}{inflight / ideal:>9.2f}")
     rows.append(
         "dropped: groups the broker dropped as staler than eta; mean len: response tokens per trained sample "
-        "(ideal bound's row: the distribution's mean); in-flight cap: the agent's max_inflight_groups limit"
+        "(ideal bound's row: the distribution's mean); in-flight cap: the agent's max_inflight_groups limit; "
+        "requests/group: requests the broker handled (nodes' and trainer's) per group trained"
     )
     return "\n".join(rows)
 

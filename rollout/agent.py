@@ -34,7 +34,7 @@ import numpy as np
 
 from tidal.broker.client import AsyncBrokerClient, BrokerError, LeaseRejected
 from tidal.broker.protocol import MODEL_MISMATCH
-from tidal.broker.types import Group, PromptGroup, PromptRow, Sample
+from tidal.broker.types import Group, Lease, PromptGroup, PromptRow, Sample
 from tidal.errors import CONFIG_ERROR_EXIT
 from tidal.rollout.config import RolloutConfig
 from tidal.rollout.engine_pool import EnginePool, EngineUnavailable
@@ -66,6 +66,7 @@ class _InFlight:
 
 
 WEIGHT_WAIT_LOG_S = 30.0  # how often a node waiting for newer weights says it still is
+_FINISHED = object()  # the broker pushed the end of the data
 
 
 class RolloutAgent:
@@ -98,6 +99,7 @@ class RolloutAgent:
         self._changed = asyncio.Event()
         self._group_size = group_size_hint
         self._group_tasks: set[asyncio.Task] = set()
+        self._credit = 0  # the standing lease request's credit, as the broker last confirmed it
         self._failures_in_a_row = 0
         # a group's failure is laid on its prompt only while this node fails no more than this in a row (the
         # broker's max_group_failures: a bad prompt leased back to this node gets that far); beyond it the
@@ -287,35 +289,93 @@ class RolloutAgent:
                 self._log_progress("running")
 
     async def _lease_loop(self) -> None:
-        while not self.stop_requested.is_set():
-            if self.data_finished and not self.inflight:
-                log.info("the broker has no more prompts; stopping")
-                return
-            free = self.free_groups()
-            if free <= 0 or self.data_finished:
-                await self._wait_change(None)
-                continue
-            if not await self._weights_fresh():
-                await self._wait_change(self.agent_cfg.lease_poll_s)
-                continue
-            try:
-                lease = await self.client.lease(min(free, self.agent_cfg.max_groups_per_lease))
-            except BrokerError as exc:
-                if not self._refused(exc):
-                    log.warning("lease failed: %s", exc)
-                await self._wait_change(self.agent_cfg.lease_poll_s)
-                continue
-            if lease is None:
-                await self._wait_change(self.agent_cfg.lease_poll_s)
-                continue
-            self.stats.leases += 1
-            for pg in lease.groups:
-                self._group_size = pg.n
-                self.unfinished_samples += pg.n
-                t = asyncio.create_task(self._run_group(lease.lease_id, pg), name=f"group {pg.group_id}")
-                self._group_tasks.add(t)
-                t.add_done_callback(self._group_tasks.discard)
-                self.inflight[pg.group_id] = _InFlight(lease.lease_id, pg, t)
+        """Keep the broker's standing lease request (``stream_leases``) at the groups this node can take
+        now, and start the groups of each lease the broker pushes. The broker pushes as soon as admission
+        allows, so the node neither polls nor waits a round trip: asking for each lease and waiting
+        ``lease_poll_s`` after a refusal cost a synchronous run ~5% of its rate (docs/BENCHMARKS.md,
+        "Async vs sync scheduling")."""
+        try:
+            while not self.stop_requested.is_set():
+                if self.data_finished and not self.inflight:
+                    log.info("the broker has no more prompts; stopping")
+                    return
+                if self.data_finished:
+                    await self._wait_change(None)
+                    continue
+                if not await self._weights_fresh():
+                    if await self._stand(0):
+                        await self._wait_change(self.agent_cfg.lease_poll_s)
+                    continue
+                self._changed.clear()  # from here: a change while the credit is sent is seen below
+                if not await self._stand(len(self.inflight) + max(0, self.free_groups())):
+                    continue
+                lease = await self._next_pushed()
+                if lease is _FINISHED:
+                    self.data_finished = True
+                elif lease is not None:
+                    await self._take(lease)
+        finally:
+            await self._give_back_pushed()
+
+    async def _stand(self, credit: int) -> bool:
+        """The standing lease request at ``credit`` groups in flight (sent where it changed); False where the
+        broker could not be asked (then after ``lease_poll_s``)."""
+        if credit == self._credit:
+            return True
+        try:
+            await self.client.stream_leases(credit, self.agent_cfg.max_groups_per_lease)
+        except BrokerError as exc:
+            if not self._refused(exc):
+                log.warning("lease request failed: %s", exc)
+            await self._wait_change(self.agent_cfg.lease_poll_s)
+            return False
+        self._credit = credit
+        return True
+
+    async def _next_pushed(self) -> Lease | object | None:
+        """The next lease the broker pushes; ``_FINISHED`` at the end of the data; None where something
+        changed here first (a sample or group ended, a stop), which may change the credit."""
+        pushed = asyncio.ensure_future(self.client.next_lease())
+        changed = asyncio.ensure_future(self._changed.wait())
+        try:
+            await asyncio.wait([pushed, changed], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            changed.cancel()
+            if not pushed.done():
+                pushed.cancel()
+            await asyncio.wait([pushed])  # a lease that arrived meanwhile is its result, not lost
+        if pushed.cancelled():
+            return None
+        lease = pushed.result()
+        return _FINISHED if lease is None else lease
+
+    async def _take(self, lease: Lease) -> None:
+        """Start the groups of a pushed lease; one pushed while this node's engines fell behind the weights
+        the broker accepts goes back at once (the next freshness check stops the pushes)."""
+        if not await self._weights_fresh():
+            await self._release(lease.lease_id, [pg.group_id for pg in lease.groups])
+            return
+        self.stats.leases += 1
+        for pg in lease.groups:
+            self._group_size = pg.n
+            self.unfinished_samples += pg.n
+            t = asyncio.create_task(self._run_group(lease.lease_id, pg), name=f"group {pg.group_id}")
+            self._group_tasks.add(t)
+            t.add_done_callback(self._group_tasks.discard)
+            self.inflight[pg.group_id] = _InFlight(lease.lease_id, pg, t)
+
+    async def _give_back_pushed(self) -> None:
+        """On the way out: stop the pushes, and give back the leases pushed and not taken (their groups
+        are leased again first). A refused node holds nothing (the broker let its leases go), and on a second
+        signal ``leave`` gives them back."""
+        if self.exit_code == CONFIG_ERROR_EXIT or self._hurry.is_set():
+            return
+        with contextlib.suppress(BrokerError):
+            if self._credit:
+                await self.client.stream_leases(0)
+                self._credit = 0
+        for lease in self.client.pushed_leases():
+            await self._release(lease.lease_id, [pg.group_id for pg in lease.groups])
 
     async def _wait_change(self, timeout: float | None) -> None:
         self._changed.clear()

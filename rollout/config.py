@@ -148,7 +148,12 @@ class AgentConfig(BaseModel):
         description="groups being sampled at once; None: enough to keep every engine at its concurrency "
         "(ceil(concurrency * engines / group size) + 1)",
     )
-    lease_poll_s: float = Field(0.2, gt=0, description="wait before asking again when no lease is admissible")
+    lease_poll_s: float = Field(
+        0.2,
+        gt=0,
+        description="how often a node waiting for its engines' weights asks them again, and the wait before "
+        "asking the broker again after a failed lease request (leases themselves are pushed, not polled)",
+    )
     drain_timeout_s: float = Field(
         30.0, ge=0, description="on SIGTERM: time to finish in-flight groups before releasing the rest"
     )

@@ -16,15 +16,14 @@ BATCH_GROUPS = 4
 GROUP_SIZE = 2
 
 
-@pytest.mark.slow
-def test_short_benchmark_run_keeps_the_scheduling_invariants(tmp_path):
+def _run_benchmark(tmp_path: Path, eta: int, lease_poll_s: float) -> tuple[dict, str]:
     out = tmp_path / "bench.json"
     cmd = [
         sys.executable,
         str(ROOT / "benchmarks" / "async_vs_sync.py"),
         "--steps", str(STEPS),
         "--warmup", "1",
-        "--etas", str(ETA),
+        "--etas", str(eta),
         "--batch-groups", str(BATCH_GROUPS),
         "--group-size", str(GROUP_SIZE),
         "--nodes", "1",
@@ -32,7 +31,7 @@ def test_short_benchmark_run_keeps_the_scheduling_invariants(tmp_path):
         "--median-tokens", "16",
         "--max-tokens", "64",
         "--train-overhead-ms", "5",
-        "--lease-poll-s", "0.05",
+        "--lease-poll-s", str(lease_poll_s),
         "--timeout-s", "60",
         "--work-dir", str(tmp_path / "work"),
         "--out", str(out),
@@ -49,9 +48,13 @@ def test_short_benchmark_run_keeps_the_scheduling_invariants(tmp_path):
                 proc.kill()
                 proc.communicate()
     assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
-    assert "ideal bound" in stdout and "x sync" in stdout
+    return json.loads(out.read_text()), stdout
 
-    report = json.loads(out.read_text())
+
+@pytest.mark.slow
+def test_short_benchmark_run_keeps_the_scheduling_invariants(tmp_path):
+    report, stdout = _run_benchmark(tmp_path, ETA, lease_poll_s=0.05)
+    assert "ideal bound" in stdout and "x sync" in stdout
     cap = report["capacities"]
     assert cap["ideal_samples_per_s"] == min(cap["rollout_samples_per_s"], cap["trainer_samples_per_s"])
     assert cap["trainer_samples_per_s"] == pytest.approx(cap["rollout_samples_per_s"])  # --balance 1
@@ -74,6 +77,19 @@ def test_short_benchmark_run_keeps_the_scheduling_invariants(tmp_path):
         broker_hist = {str(k): v for k, v in result["broker_staleness_histogram"].items()}
         assert broker_hist == {str(k): v for k, v in result["staleness"]["histogram"].items()}
         assert result["samples_per_s"] > 0 and 0 < result["trainer_busy"] <= 1
+        # a node submits each group as it finishes: at least one request per group trained
+        assert result["broker_requests_per_group"] >= 1
     sync = report["results"][0]
     assert sync["staleness"]["histogram"] == {"0": STEPS * BATCH_GROUPS}
     assert sync["dropped_stale_groups"] == 0
+
+
+@pytest.mark.slow
+def test_a_node_starts_the_next_prompts_when_the_trainers_version_admits_them_not_after_a_poll(tmp_path):
+    """Synchronous training closes admission after every batch; the trainer's next version opens it. The
+    broker pushes the next leases then (a standing lease request): a node asking for each lease waited
+    ``lease_poll_s`` after every refusal, so each step took at least that long."""
+    lease_poll_s = 10.0
+    report, _ = _run_benchmark(tmp_path, 1, lease_poll_s)
+    for result in report["results"]:
+        assert result["median_step_s"] < lease_poll_s / 5, (result["mode"], result["median_step_s"])
