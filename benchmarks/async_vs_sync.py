@@ -343,6 +343,7 @@ def summarize(label: str, eta: int, cfg: BenchConfig, steps: list[dict], stats: 
     samples = sum(s["samples"] for s in measured)
     staleness = [x for s in steps for x in s["staleness"]]
     response_tokens = sum(s["response_tokens"] for s in steps)
+    trained_samples = sum(s["samples"] for s in steps)  # the whole run's, warm-up included
     return {
         "mode": label,
         "eta": eta,
@@ -361,11 +362,9 @@ def summarize(label: str, eta: int, cfg: BenchConfig, steps: list[dict], stats: 
         },
         "broker_staleness_histogram": stats.get("staleness_histogram", {}),
         "dropped_stale_groups": stats.get("counters", {}).get("dropped_stale_groups"),
-        "mean_response_tokens": response_tokens / sum(s["samples"] for s in steps),
+        "mean_response_tokens": response_tokens / trained_samples,
         # every request the broker handled (nodes' and trainer's), per group trained in the whole run
-        "broker_requests_per_group": stats.get("requests", 0)
-        * cfg.group_size
-        / sum(s["samples"] for s in steps),
+        "broker_requests_per_group": stats.get("requests", 0) * cfg.group_size / trained_samples,
         "steps": steps,
     }
 

@@ -370,8 +370,8 @@ class RolloutAgent:
         signal ``leave`` gives them back."""
         if self.exit_code == CONFIG_ERROR_EXIT or self._hurry.is_set():
             return
-        with contextlib.suppress(BrokerError):
-            if self._credit:
+        if self._credit:
+            with contextlib.suppress(BrokerError):
                 await self.client.stream_leases(0)
                 self._credit = 0
         for lease in self.client.pushed_leases():
