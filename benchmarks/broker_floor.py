@@ -68,6 +68,7 @@ from tidal.procs import free_port
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from broker_baselines import PRODUCERS, run_zmq, sample_arrays  # noqa: E402
 from broker_method import BrokerOptions, _group, run_broker  # noqa: E402
+from interpreter_build import describe, interpreter_build  # noqa: E402
 
 VARIANTS = ("tidal", "floor", "floor_free_encode", "floor_free_codec", "floor_wire")
 DRAIN_BATCH = 64
@@ -420,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-staleness", type=int, default=BrokerConfig().max_staleness)
     ap.add_argument("--out", type=Path, default=None, help="write the runs and the summary as JSON here")
     args = ap.parse_args(argv)
+    interpreter = interpreter_build()
 
     workdir = Path(tempfile.mkdtemp(prefix="broker-floor-"))
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in ("zmq", *args.variants)}
@@ -443,11 +445,17 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     summary = summarise(runs)
     print_summary(summary, args)
+    print(f"interpreter: {describe(interpreter)}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(
             json.dumps(
-                {"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs, "summary": summary},
+                {
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "interpreter": interpreter,
+                    "runs": runs,
+                    "summary": summary,
+                },
                 indent=2,
             )
         )

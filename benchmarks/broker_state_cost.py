@@ -53,6 +53,7 @@ from tidal.broker.testing import write_rows
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from broker_baselines import sample_arrays  # noqa: E402
 from broker_method import _group  # noqa: E402  (the broker benchmark's groups, built the same way)
+from interpreter_build import describe, interpreter_build  # noqa: E402
 
 STEPS = {
     "tidal": ("lease", "submit", "commit", "batch", "consumed"),
@@ -245,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", type=Path, default=None, help="write the rounds and the summary as JSON here")
     args = ap.parse_args(argv)
+    interpreter = interpreter_build()
     for name in ("tokens", "group_size", "per_lease", "groups", "repeats", "ring_mib"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -268,11 +270,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  round {r} {variant:6s} {total:7.1f} us/group", file=sys.stderr)
     summary = summarise(runs)
     print_table(summary, args)
+    print(f"interpreter: {describe(interpreter)}")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(
             json.dumps(
-                {"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs, "summary": summary},
+                {
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "interpreter": interpreter,
+                    "runs": runs,
+                    "summary": summary,
+                },
                 indent=1,
             )
         )

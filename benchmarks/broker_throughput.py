@@ -57,6 +57,7 @@ from broker_baselines import (  # noqa: E402
     sample_bytes,
 )
 from broker_method import BrokerOptions, run_broker  # noqa: E402
+from interpreter_build import describe, interpreter_build  # noqa: E402
 
 
 def count_for(method: str, tokens: int, seconds: float, guess: dict[str, float]) -> int:
@@ -170,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
+    interpreter = interpreter_build()
     if args.free_codec:
         free_codec.install(args.free_codec)  # here: the consumer and the producers forked from this process
         site = str(Path(__file__).resolve().parent / "free_codec_site")
@@ -218,11 +220,17 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)  # journals of GBs: never leave them behind
     table = summarise(results, methods)
     print_table(table, methods)
+    print(f"interpreter: {describe(interpreter)}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(
             json.dumps(
-                {"args": {k: str(v) for k, v in vars(args).items()}, "runs": results, "summary": table},
+                {
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "interpreter": interpreter,
+                    "runs": results,
+                    "summary": table,
+                },
                 indent=2,
             )
         )

@@ -3,6 +3,7 @@ processes on loopback) delivers every sample and journals every group, with tida
 then the driver's table. Never the speed."""
 
 import json
+import platform
 import sys
 from pathlib import Path
 
@@ -51,9 +52,13 @@ def test_the_driver_prints_and_saves_ratios_to_raw_pyzmq(tmp_path, capsys):
     argv = ["--variants", "floor", "--tokens", "64", "--samples", "2048", "--repeats", "1"]
     argv += ["--group-size", "4", "--per-lease", "2", "--batch-groups", "4", "--out", str(out)]
     assert broker_floor.main(argv) == 0
-    summary = json.loads(out.read_text())["summary"]
+    saved = json.loads(out.read_text())
+    summary = saved["summary"]
     assert set(summary) == {"zmq", "floor"}
     assert summary["zmq"]["vs_zmq_paired"] == 1.0
     assert summary["floor"]["samples_per_s"] > 0
     assert set(summary["floor"]["cpu_us_per_sample"]) == {"producers", "broker", "consumer"}
-    assert "/ raw (paired)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "/ raw (paired)" in printed
+    assert saved["interpreter"]["version"] == platform.python_version()  # which Python the figures are of
+    assert f"interpreter: CPython {platform.python_version()} (" in printed

@@ -1,11 +1,15 @@
 """benchmarks/broker_throughput.py's two local methods, briefly: tidal's broker path (a real broker process,
 two producer processes, the trainer's feed) and raw pyzmq each deliver every sample and report their CPU
-and how their processes were scheduled. Never the speed."""
+and how their processes were scheduled; the driver saves its table with the interpreter it ran on. Never the
+speed."""
 
+import json
+import platform
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+import broker_throughput  # noqa: E402
 from broker_baselines import PRODUCERS, run_zmq  # noqa: E402
 from broker_method import BrokerOptions, run_broker  # noqa: E402
 
@@ -42,3 +46,15 @@ def test_raw_pyzmq_delivers_every_sample_and_reports_its_scheduling(tmp_path):
     assert received == 512 and elapsed > 0
     assert set(cpu) == {"producers", "consumer"}
     _shares_are_sane(host["scheduling"], {"producer", "consumer"})
+
+
+def test_the_driver_saves_the_table_with_the_interpreter_it_ran_on(tmp_path, capsys):
+    out = tmp_path / "throughput.json"
+    argv = ["--no-ray", "--sizes", "64", "--seconds", "0.3", "--repeats", "1", "--out", str(out)]
+    assert broker_throughput.main(argv) == 0
+    saved = json.loads(out.read_text())
+    row = saved["summary"]["64"]
+    assert row["zmq"]["samples_per_s"] > 0 and row["broker"]["samples_per_s"] > 0
+    assert row["broker_vs_zmq_paired"] > 0
+    assert saved["interpreter"]["version"] == platform.python_version()
+    assert f"interpreter: CPython {platform.python_version()} (" in capsys.readouterr().out

@@ -23,7 +23,9 @@ def test_a_short_run_times_every_step_of_both_variants(tmp_path, capsys, writer)
         assert set(run["seconds"]) == set(steps) and all(s > 0 for s in run["seconds"].values())
         assert result["summary"][variant]["all_threads"] >= result["summary"][variant]["total"] > 0
     assert result["runs"]["tidal"][0]["batched"] == 200  # and cut into batches, the last one short
-    assert "tidal / floor:" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "tidal / floor:" in printed
+    assert result["interpreter"]["executable"] == sys.executable and "interpreter: CPython" in printed
 
 
 def test_a_run_of_no_groups_is_refused():
