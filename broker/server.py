@@ -244,8 +244,8 @@ class BrokerServer:
         self, peer: bytes, rid: int, type_: str, body: dict[str, Any], frames=(), durable: bool = False
     ) -> None:
         """Send a reply; with ``durable`` only once everything journaled so far is written, for replies that
-        acknowledge records (accepted groups, a cut batch, a version, a consumed batch, failed
-        attempts). Other replies go at
+        acknowledge records (accepted groups, a cut batch, a version, a trainer's model, a consumed batch,
+        failed attempts). Other replies go at
         once: a lease's TAKE record need not be durable first, because after a crash every old lease is
         unknown and its prompts are leased again, so a reply that outruns its record loses nothing."""
         message = [peer, proto.encode_envelope(type_, rid, body), *frames]
@@ -282,9 +282,14 @@ class BrokerServer:
             raise proto.ProtocolError(
                 proto.BAD_FRAME, f"register: replaces must be a node id string, got {replaces!r}"
             )
+        journal = self.state.journal
+        appended = journal.appended_seq if journal is not None else 0
         node = self.state.register(peer, req.body["role"], req.body["name"], meta, time.time(), replaces)
         log.info("node %s (%s %r) joined", node.node_id, node.role, node.name)
         offer = self._submit_memory(node, req.body.get("host"))
+        # A trainer's registration journals the model rollout nodes must serve: its reply waits for that
+        # record, so a broker killed right after answering still turns other models away when restarted.
+        journaled = journal is not None and journal.appended_seq > appended
         self._ok(
             peer,
             req.id,
@@ -300,6 +305,7 @@ class BrokerServer:
                 "lease_timeout_s": self.cfg.lease_timeout_s,
                 "node_timeout_s": self.cfg.node_timeout_s,
             },
+            durable=journaled,
         )
 
     def _submit_memory(self, node: Node, host: Any) -> dict[str, Any]:
