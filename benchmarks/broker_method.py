@@ -34,6 +34,7 @@ from proc_stats import (  # noqa: E402
     HostWindow,
     SchedWindow,
     cpu_seconds,
+    main_thread_name,
     sched_line,
     sched_mean,
     sched_totals,
@@ -239,6 +240,7 @@ def run_broker(
             time.sleep(0.5)
             broker0 = cpu_seconds(proc.pid)
             threads0 = thread_cpu_seconds(proc.pid)
+            loop_thread = main_thread_name(proc.pid)
             window = HostWindow(run_dir)
             broker_sched, consumer_sched = SchedWindow(proc.pid), SchedWindow()
             go.set()
@@ -272,7 +274,7 @@ def run_broker(
             broker_threads_sched, consumer_threads_sched = broker_sched.result(), consumer_sched.result()
             broker = cpu_seconds(proc.pid) - broker0
             threads = thread_cpu_seconds(proc.pid)
-            # By thread: ZeroMQ's I/O thread (receiving group frames), the event loop ("python"), the
+            # By thread: ZeroMQ's I/O thread (receiving group frames), the event loop (the main thread), the
             # journal's writer and fsync threads: where the broker's time goes.
             per = {
                 k: round((v - threads0.get(k, 0.0)) / max(received, 1) * 1e6, 1)
@@ -298,9 +300,9 @@ def run_broker(
             file=sys.stderr,
         )
         # Each process's threads summed (a producer's: the mean of the two); the broker's event loop is
-        # its thread "python". Shares of the run's wall time, so a process's threads may add up past 1.
+        # its main thread. Shares of the run's wall time, so a process's threads may add up past 1.
         sched = {
-            "broker_loop": broker_threads_sched.get("python", dict.fromkeys(SCHED_KEYS, 0.0)),
+            "broker_loop": broker_threads_sched.get(loop_thread, dict.fromkeys(SCHED_KEYS, 0.0)),
             "broker": sched_totals(broker_threads_sched),
             "producer": sched_mean([r[4] for r in reports]),
             "consumer": sched_totals(consumer_threads_sched),

@@ -19,6 +19,14 @@ def cpu_seconds(pid: int | str = "self") -> float:
     return _cpu_of_stat(Path(f"/proc/{pid}/stat").read_text())
 
 
+def main_thread_name(pid: int | str = "self") -> str:
+    """The name of a process's main thread (its task whose id is the process's): the interpreter's file
+    name, e.g. "python" in a venv and "python3" where the system's interpreter runs, unless renamed."""
+    if pid == "self":
+        pid = os.getpid()
+    return Path(f"/proc/{pid}/task/{pid}/comm").read_text().strip()
+
+
 def thread_cpu_seconds(pid: int | str = "self") -> dict[str, float]:
     """CPU seconds of each thread of a running process, summed by thread name."""
     out: dict[str, float] = {}

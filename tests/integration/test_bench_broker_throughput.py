@@ -41,6 +41,20 @@ def test_the_broker_method_delivers_every_sample_and_reports_its_scheduling(tmp_
     assert 0 <= host["producers_waiting_for_leases"] <= 1
 
 
+def test_the_broker_loop_is_found_whatever_the_interpreter_is_called(tmp_path, monkeypatch):
+    # the broker process's main thread takes the name its interpreter was started by: "python3" on the
+    # device host, where the loop's shares read 0 while they were looked up as "python"
+    other_name = Path(sys.executable).with_name(f"python{sys.version_info.major}.{sys.version_info.minor}")
+    if not other_name.exists():
+        other_name = Path(sys.executable).with_name("python3")
+    assert other_name.exists(), f"no second name of the interpreter beside {sys.executable}"
+    monkeypatch.setattr(sys, "executable", str(other_name))
+    opts = BrokerOptions(group_size=4, per_lease=2, in_flight=2, batch_groups=4)
+    _, received, _, host = run_broker(64, 4 * 8 * PRODUCERS, tmp_path, opts)
+    assert received == 4 * 8 * PRODUCERS
+    assert host["scheduling"]["broker_loop"]["running"] > 0
+
+
 def test_raw_pyzmq_delivers_every_sample_and_reports_its_scheduling(tmp_path):
     elapsed, received, cpu, host = run_zmq(64, 512, tmp_path)
     assert received == 512 and elapsed > 0

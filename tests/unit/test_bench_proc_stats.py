@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
-from proc_stats import SchedWindow, sched_totals, thread_sched_seconds  # noqa: E402
+from proc_stats import SchedWindow, main_thread_name, sched_totals, thread_sched_seconds  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not Path("/proc/self/task").exists(), reason="reads Linux's /proc (the benchmarks run on Linux only)"
@@ -53,3 +53,17 @@ def test_threads_that_did_not_run_in_the_window_are_left_out():
     window = SchedWindow()
     shares = window.result()  # nothing ran but this thread, briefly
     assert all(v["running"] > 0 for v in shares.values())
+
+
+def test_the_main_thread_is_named_as_the_process_whatever_its_interpreter_is_called():
+    # the broker benchmark finds the event loop this way: by name it is "python" in a venv and "python3"
+    # on a host running the system's interpreter, where looking for "python" found nothing
+    name = main_thread_name()
+    assert name == Path("/proc/self/comm").read_text().strip()
+    worker = threading.Thread(target=time.sleep, args=(0.2,))
+    worker.start()
+    Path(f"/proc/self/task/{worker.native_id}/comm").write_text("worker")
+    try:
+        assert main_thread_name() == name != "worker"
+    finally:
+        worker.join()
